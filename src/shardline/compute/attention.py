@@ -1,0 +1,76 @@
+"""Attention whose scratch memory does not grow with the context it attends to.
+
+A prefill chunk of n queries over L keys materialises n*L scores per head in the stock kernel on CPU, so
+long prompts blow the memory up (the failure this project grew from). Above a budget we walk the keys in
+blocks with an online softmax: the same result, with scratch bounded by n * block instead of n * L.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+
+# Scores per head above which the tiled path is taken; also the tile size in keys for a chunk of n queries.
+DEFAULT_SCORE_BUDGET = 256 * 1024
+
+
+def tiled_causal_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, key_block: int
+) -> mx.array:
+    """Causal attention of the last n positions (q) over all L keys, walking keys in blocks.
+
+    q: (B, H, n, D); k, v: (B, Hkv, L, D) with H a multiple of Hkv (grouped-query attention).
+    """
+    b, h, n, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    rep = h // hkv
+    qg = (q * scale).reshape(b, hkv, rep, n, d)
+    q_pos = mx.arange(length - n, length).reshape(n, 1)
+    m = mx.full((b, hkv, rep, n, 1), -math.inf, dtype=mx.float32)
+    denom = mx.zeros((b, hkv, rep, n, 1), dtype=mx.float32)
+    acc = mx.zeros((b, hkv, rep, n, v.shape[-1]), dtype=mx.float32)
+    for start in range(0, length, key_block):
+        stop = min(start + key_block, length)
+        kb = k[:, :, None, start:stop, :]
+        vb = v[:, :, None, start:stop, :]
+        scores = (qg @ kb.swapaxes(-1, -2)).astype(mx.float32)
+        if stop > length - n:  # only blocks reaching into the chunk itself need the causal mask
+            k_pos = mx.arange(start, stop).reshape(1, -1)
+            scores = mx.where(k_pos <= q_pos, scores, -math.inf)
+        m_new = mx.maximum(m, scores.max(axis=-1, keepdims=True))
+        p = mx.exp(scores - m_new)
+        correction = mx.exp(m - m_new)
+        denom = denom * correction + p.sum(axis=-1, keepdims=True)
+        acc = acc * correction + p @ vb.astype(mx.float32)
+        m = m_new
+        # Evaluate block by block: a lazy graph of all blocks could be scheduled breadth first and hold them all.
+        mx.eval(m, denom, acc)
+    out = (acc / denom).astype(q.dtype)
+    return out.reshape(b, h, n, -1)
+
+
+class BoundedAttention:
+    """Drop-in for mlx-lm's `scaled_dot_product_attention` that switches to tiles above a score budget."""
+
+    def __init__(self, original: Any, score_budget: int = DEFAULT_SCORE_BUDGET) -> None:
+        self.original = original
+        self.score_budget = score_budget
+
+    def __call__(self, queries, keys, values, cache, scale, mask, sinks=None):  # type: ignore[no-untyped-def]
+        n, length = queries.shape[2], keys.shape[2]
+        if n == 1 or n * length <= self.score_budget or sinks is not None or hasattr(cache, "bits"):
+            return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if mask is not None and not isinstance(mask, str):
+            return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        key_block = max(64, self.score_budget // n)
+        return tiled_causal_attention(queries, keys, values, scale, key_block)
+
+
+def install(model_module: ModuleType, score_budget: int = DEFAULT_SCORE_BUDGET) -> None:
+    """Route one mlx-lm model module's attention through the bounded version (idempotent)."""
+    current = model_module.scaled_dot_product_attention
+    original = current.original if isinstance(current, BoundedAttention) else current
+    model_module.scaled_dot_product_attention = BoundedAttention(original, score_budget)

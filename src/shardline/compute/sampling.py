@@ -1,0 +1,76 @@
+"""Token sampling as a pure function of (logits, settings, position): replaying a request reproduces it."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_context: int = Field(20, ge=0)
+    seed: int = 0
+    top_logprobs: int = Field(0, ge=0, le=20)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampled(BaseModel):
+    token: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = []
+
+
+def _key(seed: int, position: int) -> mx.array:
+    # One independent stream per (seed, position): no sampler state survives between steps.
+    return mx.random.key((seed * 1_000_003 + position) % (2**63))
+
+
+def apply_repetition_penalty(logits: mx.array, context: list[int], penalty: float) -> mx.array:
+    if penalty == 1.0 or not context:
+        return logits
+    ids = mx.array(sorted(set(context)))
+    picked = logits[ids]
+    picked = mx.where(picked < 0, picked * penalty, picked / penalty)
+    logits[ids] = picked
+    return logits
+
+
+def sample(logits: mx.array, params: SamplingParams, position: int, context: list[int]) -> Sampled:
+    """logits: (vocab,) float32 of the position before `position`. Returns the token placed at `position`."""
+    logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
+    logprobs = logits - mx.logsumexp(logits)
+    if params.greedy:
+        token = int(mx.argmax(logits).item())
+    else:
+        scaled = logits / params.temperature
+        if params.top_k and params.top_k < scaled.shape[0]:
+            kth = mx.sort(scaled)[-params.top_k]
+            scaled = mx.where(scaled < kth, -math.inf, scaled)
+        if params.min_p > 0.0:
+            floor = scaled.max() + math.log(params.min_p)
+            scaled = mx.where(scaled < floor, -math.inf, scaled)
+        if params.top_p < 1.0:
+            order = mx.argsort(-scaled)
+            probs = mx.softmax(scaled[order])
+            before = mx.cumsum(probs) - probs  # mass strictly above each candidate
+            keep_sorted = before < params.top_p
+            keep = mx.zeros_like(keep_sorted)
+            keep[order] = keep_sorted
+            scaled = mx.where(keep, scaled, -math.inf)
+        token = int(mx.random.categorical(scaled, key=_key(params.seed, position)).item())
+    top: list[tuple[int, float]] = []
+    if params.top_logprobs:
+        idx = mx.argsort(-logprobs)[: params.top_logprobs]
+        top = [(int(i), float(logprobs[i].item())) for i in idx.tolist()]
+    return Sampled(token=token, logprob=float(logprobs[token].item()), top_logprobs=top)

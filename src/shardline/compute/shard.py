@@ -1,0 +1,128 @@
+"""A pipeline stage's slice of a model: a contiguous layer range, plus embedding (first) and head (last)."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as kv_cache
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.utils import load_config, load_model
+
+from shardline.compute import attention
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    start: int
+    end: int  # exclusive
+    total: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.total
+
+
+def split_layers(total: int, stages: int) -> list[LayerRange]:
+    """Even contiguous split; earlier stages take the remainder (the last one also holds the head)."""
+    if not 1 <= stages <= total:
+        raise ValueError(f"cannot split {total} layers into {stages} stages")
+    base, extra = divmod(total, stages)
+    ranges, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        ranges.append(LayerRange(start, start + size, total))
+        start += size
+    return ranges
+
+
+def check_architecture(config: dict) -> None:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if any(t != "full_attention" for t in config.get("layer_types") or []):
+        raise UnsupportedArchitectureError("sliding-window layers are not supported yet")
+
+
+class Shard:
+    """Runs chunks of one request through this stage's layers with that request's KV cache."""
+
+    def __init__(self, model: nn.Module, layers: LayerRange, config: dict) -> None:
+        self.model = model
+        self.range = layers
+        self.config = config
+        inner = model.model
+        self.embed = inner.embed_tokens if layers.is_first or (layers.is_last and self.tied) else None
+        self.layers = list(inner.layers)
+        self.norm = inner.norm if layers.is_last else None
+        self.hidden_size = int(config["hidden_size"])
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.model.args.tie_word_embeddings)
+
+    def make_cache(self) -> list[kv_cache.KVCache]:
+        return [kv_cache.KVCache() for _ in self.layers]
+
+    def forward(self, x: mx.array, cache: list[kv_cache.KVCache]) -> mx.array:
+        """x: token ids (1, n) on the first stage, hidden states (1, n, D) elsewhere.
+
+        Returns hidden states (1, n, D), or on the last stage the logits of the final position (vocab,).
+        """
+        h = self.embed(x) if self.range.is_first else x
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, mask, cache=c)
+        if not self.range.is_last:
+            return h
+        h = self.norm(h[:, -1, :])
+        logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
+        return logits[0].astype(mx.float32)
+
+    def weight_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: int | None = None) -> Shard:
+    """Materialise only this stage's weights: everything else stays a lazy, never-read array."""
+    config = load_config(Path(model_dir))
+    check_architecture(config)
+    model, config = load_model(Path(model_dir), lazy=True, strict=True)
+    total = len(model.model.layers)
+    layers = layers or LayerRange(0, total, total)
+    if layers.total != total:
+        raise ValueError(f"layer range for {layers.total} layers, model has {total}")
+    inner = model.model
+    inner.layers = inner.layers[layers.start : layers.end]
+    keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings)
+    if not keep_embed:
+        del inner.embed_tokens
+    if not layers.is_last:
+        del inner.norm
+        if "lm_head" in model:
+            del model.lm_head
+    module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
+    attention.install(module, score_budget or attention.DEFAULT_SCORE_BUDGET)
+    mx.eval(model.parameters())
+    gc.collect()
+    shard = Shard(model, layers, config)
+    if not keep_embed:
+        shard.embed = None
+    return shard

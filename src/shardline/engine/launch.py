@@ -1,0 +1,52 @@
+"""Starting and stopping runner processes: each in its own process group, so nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from shardline.compute import blas
+from shardline.runner.spec import RunnerSpec
+
+
+def spawn_runner(spec: RunnerSpec, log_path: Path, threads: int) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child; closed here right after the fork
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "shardline.runner", spec.model_dump_json()],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=blas.runner_env(threads),
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the runner's whole process group (it leads its own session)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_runners(procs: list[subprocess.Popen], grace: float) -> None:
+    """Wait up to `grace` seconds for a clean exit, then SIGKILL the groups and reap them."""
+    _, alive = psutil.wait_procs([psutil.Process(p.pid) for p in procs if p.poll() is None], timeout=grace)
+    for p in procs:
+        if p.poll() is None or any(a.pid == p.pid for a in alive):
+            kill_group(p)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_group(p)
+            p.wait()

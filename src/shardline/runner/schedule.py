@@ -1,0 +1,101 @@
+"""The leader's decisions as pure functions over its state: which step goes around the ring next.
+
+A request is a list of known tokens (prompt, then tokens generated so far) and a count of tokens fed through
+the ring. Prompt tokens go in chunks, later tokens one at a time, so a resumed request replays exactly the
+steps the original made. The step that feeds the last known token samples the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardline.dataplane.messages import RequestSpec
+
+
+@dataclass
+class LeaderRequest:
+    spec: RequestSpec
+    arrival: int
+    known: list[int] = field(default_factory=list)
+    fed: int = 0
+    in_flight: int = 0
+    done: bool = False  # finished or cancelled: no more steps, release once nothing is in flight
+    released: bool = False
+    last_served: int = -1
+
+    def __post_init__(self) -> None:
+        if not self.known:
+            self.known = [*self.spec.prompt, *self.spec.generated]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.spec.prompt)
+
+    @property
+    def generated(self) -> int:
+        return len(self.known) - self.prompt_len
+
+    @property
+    def decoding(self) -> bool:
+        return self.fed >= self.prompt_len
+
+
+@dataclass(frozen=True)
+class FeedStep:
+    request_id: str
+    pos: int
+    n: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    request_id: str
+
+
+Action = FeedStep | ReleaseRequest
+
+
+def next_chunk(req: LeaderRequest, prefill_step: int) -> FeedStep | None:
+    if req.done or req.fed >= len(req.known):
+        return None
+    if req.fed < req.prompt_len:
+        n = min(prefill_step, req.prompt_len - req.fed)
+    else:
+        n = 1
+    return FeedStep(req.spec.request_id, req.fed, n, sample=req.fed + n == len(req.known))
+
+
+def plan(requests: list[LeaderRequest], in_flight: int, window: int, prefill_step: int) -> Action | None:
+    """One action, or None to wait for results. Releases first, then decode steps, then prefill chunks."""
+    for req in requests:
+        if req.done and not req.released and req.in_flight == 0:
+            return ReleaseRequest(req.spec.request_id)
+    if in_flight >= window:
+        return None
+    # Decode steps keep streams flowing; the least recently served goes first so streams share the ring.
+    decoding = sorted((r for r in requests if r.decoding), key=lambda r: (r.last_served, r.arrival))
+    prefilling = sorted((r for r in requests if not r.decoding), key=lambda r: r.arrival)
+    for req in (*decoding, *prefilling):
+        step = next_chunk(req, prefill_step)
+        if step is not None:
+            return step
+    return None
+
+
+def apply_step_sent(req: LeaderRequest, step: FeedStep, tick: int) -> None:
+    req.fed = step.pos + step.n
+    req.in_flight += 1
+    req.last_served = tick
+
+
+def apply_token(req: LeaderRequest, token: int) -> str | None:
+    """Record a sampled token; returns a finish reason when the request is complete."""
+    if token in req.spec.stop_tokens:
+        req.done = True
+        return "stop"
+    req.known.append(token)
+    if req.generated >= req.spec.max_tokens:
+        req.done = True
+        return "length"
+    return None

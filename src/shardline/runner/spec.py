@@ -1,0 +1,44 @@
+"""What a runner process is told to be: one stage of one instance generation."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class RunnerSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    instance: str
+    generation: int
+    stage: int
+    stages: int
+    model_dir: str
+    layer_start: int
+    layer_end: int
+    layer_total: int
+    connect: list[str]
+    listen: list[str] = ["tcp/127.0.0.1:0"]
+    prefill_step: int = 256
+    window: int = 0  # steps in flight around the ring; 0 = stages + 1
+    step_timeout: float = 60.0
+    load_timeout: float = 120.0
+    score_budget: int = 0  # 0 = compute.attention default
+    cpu: int | None = None
+    parent_pid: int | None = None
+    heartbeat_s: float = 1.0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def next_stage(self) -> int:
+        return (self.stage + 1) % self.stages
+
+    @property
+    def in_flight_window(self) -> int:
+        return self.window or self.stages + 1

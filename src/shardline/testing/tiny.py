@@ -42,7 +42,11 @@ def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides: int) -> P
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
-    # Sharper logits: the head (or tied embedding) dominates the top-1 margin.
+    for name in weights:
+        # Stronger layers make the output depend on the prompt (else one token repeats forever) ...
+        if ".layers." in name and name.endswith("proj.weight"):
+            weights[name] = weights[name] * 3.0
+    # ... and a sharper head keeps the greedy margin far above float noise.
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     weights[head] = weights[head] * 4.0
     path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,35 @@
+"""Single-process mlx-lm generation: the ground truth sharded output is compared against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+
+class Reference:
+    def __init__(self, model_dir: Path) -> None:
+        self.model, self.config = load_model(Path(model_dir))
+
+    def greedy(self, prompt: list[int], max_tokens: int, prefill_step: int = 2048) -> tuple[list[int], list[float]]:
+        """Greedy tokens and, per token, the margin between the best and second-best logit."""
+        tokens, margins = [], []
+        for tok, logprobs in generate_step(
+            mx.array(prompt),
+            self.model,
+            max_tokens=max_tokens,
+            sampler=lambda x: mx.argmax(x, axis=-1),
+            prefill_step_size=prefill_step,
+        ):
+            top2 = mx.sort(logprobs)[-2:]
+            margins.append(float(top2[1] - top2[0]))
+            tokens.append(int(tok))
+        return tokens, margins
+
+    def last_logits(self, prompt: list[int]) -> mx.array:
+        cache = make_prompt_cache(self.model)
+        logits = self.model(mx.array([prompt]), cache=cache)
+        return logits[0, -1].astype(mx.float32)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import psutil
+import pytest
+
+from shardline.engine.engine import Engine, EngineConfig
+from shardline.testing.tiny import make_tiny_model
+
+STEP = 8  # prefill step used with tiny models: small, so every chunking edge is cheap to reach
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def runner_pids(engine: Engine) -> list[int]:
+    return [r.proc.pid for r in engine.runners]
+
+
+def assert_no_runner_left(pids: list[int]) -> None:
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"runner processes left behind: {alive}"
+
+
+@pytest.fixture
+def start_engine(tmp_path: Path) -> Iterator:
+    started: list[Engine] = []
+
+    def start(model_dir: Path, stages: int, **kw: object) -> Engine:
+        kw.setdefault("prefill_step", STEP)
+        kw.setdefault("step_timeout", 30.0)
+        kw.setdefault("load_timeout", 60.0)
+        engine = Engine(EngineConfig(model_dir=model_dir, stages=stages, log_dir=tmp_path / "logs", **kw))
+        started.append(engine)
+        return engine.start()
+
+    yield start
+    for engine in started:
+        pids = runner_pids(engine)
+        engine.shutdown()
+        assert_no_runner_left(pids)
+
+
+def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return [int(t) for t in mx.random.randint(0, vocab, (n,), key=mx.random.key(seed)).tolist()]

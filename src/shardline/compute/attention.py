@@ -17,9 +17,7 @@ import mlx.core as mx
 DEFAULT_SCORE_BUDGET = 256 * 1024
 
 
-def tiled_causal_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, key_block: int
-) -> mx.array:
+def tiled_causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, key_block: int) -> mx.array:
     """Causal attention of the last n positions (q) over all L keys, walking keys in blocks.
 
     q: (B, H, n, D); k, v: (B, Hkv, L, D) with H a multiple of Hkv (grouped-query attention).
@@ -46,7 +44,7 @@ def tiled_causal_attention(
         denom = denom * correction + p.sum(axis=-1, keepdims=True)
         acc = acc * correction + p @ vb.astype(mx.float32)
         m = m_new
-        # Evaluate block by block: a lazy graph of all blocks could be scheduled breadth first and hold them all.
+        # Evaluate per block: a lazy graph of all blocks may run breadth first and hold them all.
         mx.eval(m, denom, acc)
     out = (acc / denom).astype(q.dtype)
     return out.reshape(b, h, n, -1)

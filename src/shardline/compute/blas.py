@@ -1,6 +1,7 @@
 """Pick a fast BLAS for runner processes.
 
-The Linux mlx[cpu] wheel links a bundled reference BLAS; OpenBLAS exports the same CBLAS symbols and, preloaded
+The Linux mlx[cpu] wheel links a bundled reference BLAS; OpenBLAS exports the same CBLAS symbols and,
+preloaded
 into a runner, makes float32 matmul an order of magnitude faster. Runners are fresh processes, so the choice
 is made in their environment before they start.
 """
@@ -34,7 +35,7 @@ def find_openblas() -> str | None:
 
 
 def runner_env(threads: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a runner: OpenBLAS preloaded (unless SHARDLINE_BLAS=reference) with `threads` threads."""
+    """A runner's environment: OpenBLAS preloaded (unless SHARDLINE_BLAS=reference), `threads` threads."""
     env = dict(os.environ if base is None else base)
     lib = None if env.get("SHARDLINE_BLAS") == "reference" else find_openblas()
     if lib:

@@ -36,7 +36,8 @@ def encode(message: Any, tensor: mx.array | None = None) -> bytes:
     return _LEN.pack(len(header)) + header + memoryview(np.asarray(tensor)).tobytes()
 
 
-def decode(data: bytes, adapter: TypeAdapter) -> tuple[Any, mx.array | None]:
+def decode(data: bytes, adapter: TypeAdapter) -> tuple[Any, np.ndarray | None]:
+    """The message and its tensor as a numpy view of the frame: it becomes an MLX array only when used."""
     if len(data) < _LEN.size:
         raise FrameError("frame shorter than its length prefix")
     (n,) = _LEN.unpack_from(data)
@@ -51,7 +52,9 @@ def decode(data: bytes, adapter: TypeAdapter) -> tuple[Any, mx.array | None]:
     flat = np.frombuffer(data, dtype=_NP_BY_NAME[meta.dtype], offset=_LEN.size + n)
     if flat.size != int(np.prod(meta.shape)):
         raise FrameError(f"tensor payload has {flat.size} elements, header says {meta.shape}")
-    array = mx.array(flat.reshape(meta.shape))
-    if meta.dtype == "bfloat16":
-        array = array.view(mx.bfloat16)
-    return message, array.astype(_MX_BY_NAME[meta.dtype]) if meta.dtype != "bfloat16" else array
+    return message, flat.reshape(meta.shape)
+
+
+def to_mlx(array: np.ndarray, dtype: str) -> mx.array:
+    out = mx.array(array)
+    return out.view(mx.bfloat16) if dtype == "bfloat16" else out.astype(_MX_BY_NAME[dtype])

@@ -14,7 +14,8 @@ from shardline.compute.sampling import SamplingParams
 
 
 class Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # Infinite logprobs are legitimate (a masked token): write them as JSON constants, not null.
+    model_config = ConfigDict(extra="ignore", frozen=True, ser_json_inf_nan="constants")
 
 
 class TensorMeta(Wire):
@@ -26,7 +27,7 @@ class TensorMeta(Wire):
 
 
 class Step(Wire):
-    """Run n positions of one request through the stage; the first stage gets token ids, others hidden states."""
+    """Run n positions of one request through a stage: token ids into stage 0, hidden states elsewhere."""
 
     kind: Literal["step"] = "step"
     seq: int
@@ -37,6 +38,7 @@ class Step(Wire):
     sampling: SamplingParams | None = None
     context: list[int] = []
     want_logits: bool = False
+    reserve: int = 0  # on a request's first step: positions to allocate the KV cache for at once
     tensor: TensorMeta | None = None
 
 
@@ -147,6 +149,9 @@ class Heartbeat(Wire):
     stage: int
     steps: int
     busy: bool
+    peak_bytes: int = 0  # MLX peak since the runner became ready
+    kv_peak_bytes: int = 0
+    weight_bytes: int = 0
 
 
 class RunnerFailed(Wire):

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zenoh
 from pydantic import TypeAdapter
 
@@ -112,7 +113,14 @@ class Outbox:
 class Envelope:
     source: str
     message: Any
-    tensor: Any
+    payload: Any  # numpy view of the frame, or an MLX array for local delivery
+
+    @property
+    def tensor(self) -> Any:
+        # Queued messages stay plain bytes; MLX memory is taken only when a message is processed.
+        if not isinstance(self.payload, np.ndarray):
+            return self.payload
+        return frame.to_mlx(self.payload, self.message.tensor.dtype)
 
 
 class Inbox:

@@ -65,6 +65,7 @@ class _Runner:
     log_path: Path
     ready: m.Ready | None = None
     failed: m.RunnerFailed | None = None
+    heartbeat: m.Heartbeat | None = None
     last_heartbeat: float = field(default_factory=time.monotonic)
 
 
@@ -123,7 +124,11 @@ class Engine:
         if cfg.stages > total:
             raise EngineError(f"{cfg.stages} stages requested, the model has only {total} layers")
         ranges = split_layers(total, cfg.stages)
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cpus = (
+            sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1))
+        )
         threads = max(1, len(cpus) // cfg.stages)
         log_dir = self._log_dir()
         for stage, lr in enumerate(ranges):
@@ -233,7 +238,10 @@ class Engine:
         elif isinstance(msg, m.RunnerFailed):
             self.runners[msg.stage].failed = msg
         elif isinstance(msg, m.Heartbeat):
-            self.runners[msg.stage].last_heartbeat = time.monotonic()
+            with self._state_changed:
+                self.runners[msg.stage].heartbeat = msg
+                self.runners[msg.stage].last_heartbeat = time.monotonic()
+                self._state_changed.notify_all()
         elif isinstance(msg, m.TokenEvent | m.Finished | m.RequestFailed):
             with self._lock:
                 handle = self.requests.get(msg.request_id)
@@ -242,6 +250,17 @@ class Engine:
                 if handle.done:
                     with self._lock:
                         self.requests.pop(msg.request_id, None)
+
+    def fresh_heartbeats(self, timeout: float) -> list[m.Heartbeat]:
+        """Wait for one heartbeat from every stage sent after this call (runner counters are then current)."""
+        since = time.monotonic()
+        with self._state_changed:
+            ok = self._state_changed.wait_for(
+                lambda: all(r.last_heartbeat > since and r.heartbeat for r in self.runners), timeout
+            )
+            if not ok:
+                raise EngineError(f"no heartbeat from every stage within {timeout:.0f}s")
+            return [r.heartbeat for r in self.runners]  # type: ignore[misc]
 
     def shutdown(self, grace: float = 5.0) -> None:
         if self._closed:

@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFReader
-from safetensors.numpy import save_file
+from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
 from shardline.models.errors import CorruptModelError, ModelNotFoundError
 from shardline.models.gguf_config import build_config, check_architecture, meta_scalar
-from shardline.models.gguf_tensors import ROPE_FREQS, dequantize_tensor, hf_name, unpermute_llama_qk
+from shardline.models.gguf_tensors import ROPE_FREQS, dequantize_tensor, hf_name, hf_shape, unpermute_llama_qk
 from shardline.models.gguf_tokenizer import build_tokenizer, tokenizer_config
+from shardline.models.safetensors_stream import write_f32_safetensors
 
 IMPORT_INFO_FILE = "shardline_import.json"
 # Bump when the output layout or conversion changes, so cached imports are redone.
@@ -47,28 +48,33 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def _convert_tensors(
-    reader: GGUFReader, meta: dict[str, Any], *, progress: bool, desc: str
-) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-    """Dequantized float32 weights under HF names, plus Llama 3's rope factors if present."""
+def _tensor_plan(reader: GGUFReader) -> tuple[list[tuple[str, ReaderTensor]], np.ndarray | None]:
+    """(HF name, GGUF tensor) pairs to write, plus Llama 3's rope factors, which go to config."""
+    plan: list[tuple[str, ReaderTensor]] = []
+    rope_freqs: np.ndarray | None = None
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            rope_freqs = dequantize_tensor(tensor)
+        else:
+            plan.append((hf_name(tensor.name), tensor))
+    return plan, rope_freqs
+
+
+def _converted(
+    plan: list[tuple[str, ReaderTensor]], meta: dict[str, Any], *, progress: bool, desc: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Dequantized float32 weights under HF names, one at a time (peak memory: one tensor)."""
     arch = meta["general.architecture"]
     n_head = int(meta_scalar(meta, f"{arch}.attention.head_count"))
     n_head_kv = int(meta_scalar(meta, f"{arch}.attention.head_count_kv", n_head))
-    weights: dict[str, np.ndarray] = {}
-    rope_freqs: np.ndarray | None = None
-    for tensor in tqdm(reader.tensors, desc=desc, unit="tensor", disable=not progress):
-        if tensor.name == ROPE_FREQS:
-            rope_freqs = dequantize_tensor(tensor)
-            continue
-        name = hf_name(tensor.name)
+    for name, tensor in tqdm(plan, desc=desc, unit="tensor", disable=not progress):
         weight = dequantize_tensor(tensor)
         # Only the llama converter permutes Q/K rows; qwen2/qwen3 are stored as in HF.
-        if arch == "llama" and ".attn_q." in tensor.name:
+        if arch == "llama" and ".self_attn.q_proj." in name:
             weight = unpermute_llama_qk(weight, n_head)
-        elif arch == "llama" and ".attn_k." in tensor.name:
+        elif arch == "llama" and ".self_attn.k_proj." in name:
             weight = unpermute_llama_qk(weight, n_head_kv)
-        weights[name] = weight
-    return weights, rope_freqs
+        yield name, weight
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -131,19 +137,17 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, overwr
     arch = check_architecture(meta.get("general.architecture"))
     tokenizer = build_tokenizer(meta)
 
-    desc = f"Importing {gguf_path.name}"
-    weights, rope_freqs = _convert_tensors(reader, meta, progress=progress, desc=desc)
-    try:
-        vocab_size = weights["model.embed_tokens.weight"].shape[0]
-        q_rows = weights["model.layers.0.self_attn.q_proj.weight"].shape[0]
-    except KeyError as e:
-        raise CorruptModelError(f"{gguf_path}: GGUF lacks tensor for {e.args[0]}") from e
+    plan, rope_freqs = _tensor_plan(reader)
+    shapes = {name: hf_shape(tensor) for name, tensor in plan}
+    for needed in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        if needed not in shapes:
+            raise CorruptModelError(f"{gguf_path}: GGUF lacks the tensor for {needed}")
     config = build_config(
         meta,
-        vocab_size=vocab_size,
-        q_proj_rows=q_rows,
-        tied="lm_head.weight" not in weights,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        vocab_size=shapes["model.embed_tokens.weight"][0],
+        q_proj_rows=shapes["model.layers.0.self_attn.q_proj.weight"][0],
+        tied="lm_head.weight" not in shapes,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
         rope_freqs=rope_freqs,
     )
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
@@ -156,7 +160,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, overwr
     }
 
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        weights = _converted(plan, meta, progress=progress, desc=f"Importing {gguf_path.name}")
+        write_f32_safetensors(tmp / "model.safetensors", shapes, weights, metadata={"format": "pt"})
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, config["max_position_embeddings"]))
         _write_json(tmp / "config.json", config)

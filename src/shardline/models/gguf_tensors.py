@@ -40,16 +40,20 @@ def hf_name(gguf_name: str) -> str:
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no known HF equivalent; not supported")
 
 
+def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    """GGUF's `ne` lists dimensions innermost first; reversed it is the numpy/HF shape,
+    which for a linear layer is [out_features, in_features]."""
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
-    """Float32 array in HF layout: GGUF's `ne` is innermost-first, so numpy's shape is it reversed,
-    which for a linear layer is HF's [out_features, in_features]."""
+    """The tensor as a float32 array of shape `hf_shape(tensor)`."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
     try:
         data = dequantize(tensor.data, qtype)
     except NotImplementedError as e:
         raise UnsupportedModelError(f"GGUF tensor {tensor.name!r} uses unsupported type {qtype.name}") from e
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    return np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
+    return np.ascontiguousarray(data.reshape(hf_shape(tensor)), dtype=np.float32)
 
 
 def unpermute_llama_qk(weight: np.ndarray, n_head: int) -> np.ndarray:

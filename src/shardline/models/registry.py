@@ -142,7 +142,7 @@ def resolve_model(name_or_path: str | Path | None, progress: bool = True) -> Pat
     if name_or_path is None:
         return pull(DEFAULT_MODEL, progress=progress)
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if path.is_dir():  # an explicit directory wins over a known name of the same spelling
         validate_model_dir(path)
         return path.resolve()
     if str(name_or_path) in KNOWN_MODELS:

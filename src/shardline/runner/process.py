@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import FrameError, tensor_meta
@@ -55,8 +57,11 @@ class Runner:
         self.status.wait_matched(spec.load_timeout)
         self.status.send(m.Loading(stage=spec.stage, pid=os.getpid()))
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
-        shard = load_shard(Path(spec.model_dir), layers, spec.score_budget or None)
+        # Attention scratch per head stays at what one chunk attending to itself needs, at any context length.
+        budget = spec.score_budget or max(4096, spec.prefill_step**2)
+        shard = load_shard(Path(spec.model_dir), layers, budget)
         self.worker = StageWorker(shard)
+        self.weight_bytes = shard.weight_bytes()
         self.worker.warm_up()
         self.downstream: Outbox | None = None
         if spec.stages > 1:
@@ -78,9 +83,17 @@ class Runner:
     def _heartbeat(self) -> None:
         while True:
             time.sleep(self.spec.heartbeat_s)
-            steps = self.worker.steps if self.worker else 0
+            w = self.worker
+            beat = m.Heartbeat(
+                stage=self.spec.stage,
+                steps=w.steps if w else 0,
+                busy=self.busy,
+                peak_bytes=mx.get_peak_memory(),
+                kv_peak_bytes=w.kv_peak_bytes if w else 0,
+                weight_bytes=self.weight_bytes,
+            )
             try:
-                self.status.send(m.Heartbeat(stage=self.spec.stage, steps=steps, busy=self.busy))
+                self.status.send(beat)
             except TransportError:
                 return
 
@@ -155,7 +168,7 @@ class Leader:
                 self.release(action.request_id)
             else:
                 self.feed(action)
-            # Results that arrived meanwhile free credits and may finish requests: take them in before the next.
+            # Results that arrived meanwhile free credits and may finish requests: take them in first.
             while (more := self.r.inbox.get_nowait()) is not None:
                 self.handle(more.message, more.tensor)
 
@@ -182,8 +195,6 @@ class Leader:
             raise ProtocolError(f"leader got unexpected {msg.kind}")
 
     def feed(self, step: schedule.FeedStep) -> None:
-        import mlx.core as mx
-
         req = self.requests[step.request_id]
         self.tick += 1
         schedule.apply_step_sent(req, step, self.tick)
@@ -199,6 +210,7 @@ class Leader:
             sampling=sp if step.sample else None,
             context=context if step.sample else [],
             want_logits=req.spec.want_logits and step.sample,
+            reserve=len(req.known) + 1 if step.pos == 0 else 0,
         )
         tokens = mx.array([req.known[step.pos : step.pos + step.n]], dtype=mx.int32)
         self.in_flight[self.seq] = step.request_id

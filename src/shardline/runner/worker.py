@@ -9,6 +9,8 @@ from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.messages import Step, StepResult
 
+KV_STEP = 256  # mlx-lm's KVCache growth step
+
 
 class ProtocolError(RuntimeError):
     pass
@@ -19,6 +21,7 @@ class StageWorker:
         self.shard = shard
         self.caches: dict[str, list] = {}
         self.steps = 0
+        self.kv_peak_bytes = 0
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
@@ -30,6 +33,11 @@ class StageWorker:
             if step.pos != 0:
                 raise ProtocolError(f"step at position {step.pos} for unknown request {step.request_id}")
             cache = self.caches[step.request_id] = self.shard.make_cache()
+            if step.reserve:
+                # One allocation for the whole prompt: growing in small steps copies the cache each time,
+                # and the copy briefly holds two caches.
+                for c in cache:
+                    c.step = -(-step.reserve // KV_STEP) * KV_STEP
         if cache[0].offset != step.pos:
             raise ProtocolError(
                 f"request {step.request_id}: step at position {step.pos}, cache holds {cache[0].offset}"
@@ -38,7 +46,11 @@ class StageWorker:
             raise ProtocolError(f"step says {step.n} positions, tensor has {x.shape[1]}")
         y = self.shard.forward(x, cache)
         mx.eval(y)
+        if step.reserve:
+            for c in cache:
+                c.step = KV_STEP
         self.steps += 1
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_bytes())
         if not self.shard.range.is_last:
             return step.model_copy(update={"tensor": tensor_meta(y)}), y
         if not step.sample:
@@ -58,6 +70,9 @@ class StageWorker:
             logits,
         )
 
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes for cache in self.caches.values() for c in cache)
+
     def warm_up(self) -> None:
         """One throwaway step so the first real request does not pay for first-touch allocation."""
         cache = self.shard.make_cache()
@@ -66,3 +81,5 @@ class StageWorker:
         else:
             x = mx.zeros((1, 1, self.shard.hidden_size), dtype=mx.float32)
         mx.eval(self.shard.forward(x, cache))
+        del cache
+        mx.reset_peak_memory()

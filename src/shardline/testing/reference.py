@@ -14,7 +14,9 @@ class Reference:
     def __init__(self, model_dir: Path) -> None:
         self.model, self.config = load_model(Path(model_dir))
 
-    def greedy(self, prompt: list[int], max_tokens: int, prefill_step: int = 2048) -> tuple[list[int], list[float]]:
+    def greedy(
+        self, prompt: list[int], max_tokens: int, prefill_step: int = 2048
+    ) -> tuple[list[int], list[float]]:
         """Greedy tokens and, per token, the margin between the best and second-best logit."""
         tokens, margins = [], []
         for tok, logprobs in generate_step(

@@ -13,7 +13,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 ARCHS: dict[str, dict] = {
-    "llama": {"model_type": "llama", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
+    "llama": {
+        "model_type": "llama",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
     "qwen2": {"model_type": "qwen2", "tie_word_embeddings": True},
     "qwen3": {"model_type": "qwen3", "tie_word_embeddings": True, "head_dim": 16},
 }

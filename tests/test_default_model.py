@@ -72,7 +72,9 @@ def test_cli_unknown_model_is_one_readable_line():
 
 @pytest.mark.timeout(120)
 def test_cli_bad_stage_count_is_refused(default_model):
-    out = subprocess.run(_shardline("generate", "--stages", "0", "hi"), capture_output=True, text=True, timeout=100)
+    out = subprocess.run(
+        _shardline("generate", "--stages", "0", "hi"), capture_output=True, text=True, timeout=100
+    )
     assert out.returncode == 2
     assert out.stderr.strip() == "shardline: error: --stages must be at least 1, got 0"
 
@@ -81,7 +83,9 @@ def test_cli_bad_stage_count_is_refused(default_model):
 @pytest.mark.timeout(300)
 def test_cli_ctrl_c_exits_without_leftovers(default_model):
     proc = subprocess.Popen(
-        _shardline("generate", "--stages", "2", "--max-tokens", "2000", "Write a very long story about a dragon."),
+        _shardline(
+            "generate", "--stages", "2", "--max-tokens", "2000", "Write a very long story about a dragon."
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -92,5 +96,7 @@ def test_cli_ctrl_c_exits_without_leftovers(default_model):
     assert children, "no runner processes under the CLI"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
-    alive = [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = [
+        p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not alive, f"left behind: {alive}"

@@ -149,6 +149,9 @@ class Heartbeat(Wire):
     stage: int
     steps: int
     busy: bool
+    phase: Literal["loading", "ready"] = "ready"
+    busy_for_s: float = 0.0  # how long the current step has been running (0 when idle)
+    last_step_s: float = 0.0  # duration of the last completed step
     peak_bytes: int = 0  # MLX peak since the runner became ready
     kv_peak_bytes: int = 0
     weight_bytes: int = 0

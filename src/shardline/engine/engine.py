@@ -24,7 +24,10 @@ from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Inbox, Keys, Outbox, open_session
 from shardline.engine.launch import kill_group, spawn_runner, stop_runners
 from shardline.engine.request import RequestHandle, RequestState
-from shardline.runner.spec import RunnerSpec
+from shardline.runner.spec import Fault, RunnerSpec
+from shardline.supervisor.classify import LineClassifier
+from shardline.supervisor.diagnostics import Diagnostic
+from shardline.supervisor.logs import RotatingLog, pump_stream
 
 log = logging.getLogger("shardline.engine")
 
@@ -44,12 +47,21 @@ class EngineConfig(BaseModel):
     stages: int = Field(2, ge=1)
     prefill_step: int = Field(256, ge=1)
     window: int = Field(0, ge=0)
-    step_timeout: float = Field(60.0, gt=0)
+    step_timeout: float = Field(60.0, gt=0)  # ceiling of the adaptive step deadline
+    step_deadline_floor: float = Field(2.0, gt=0)
     load_timeout: float = Field(180.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)
+    heartbeat_timeout: float = Field(4.0, gt=0)  # a runner silent this long is stalled (SIGSTOP, frozen host)
+    max_restarts: int = Field(3, ge=0)  # within restart_window_s; one more failure marks the instance failed
+    restart_window_s: float = Field(120.0, gt=0)
+    backoff_s: float = Field(0.2, ge=0)  # doubled per consecutive failure, capped at backoff_max_s
+    backoff_max_s: float = Field(5.0, ge=0)
     score_budget: int = Field(0, ge=0)
     pin_cpus: bool = False
     host: str = "127.0.0.1"
     log_dir: Path | None = None
+    faults: dict[int, Fault] = {}  # stage -> failure to inject (tests, chaos bench)
+    faults_every_generation: bool = False  # False: only the first generation fails, so recovery can succeed
 
 
 def _free_port(host: str) -> int:
@@ -62,11 +74,25 @@ def _free_port(host: str) -> int:
 class _Runner:
     stage: int
     proc: subprocess.Popen
-    log_path: Path
+    log: RotatingLog
+    pump: threading.Thread
     ready: m.Ready | None = None
     failed: m.RunnerFailed | None = None
+    fatal: Diagnostic | None = None
     heartbeat: m.Heartbeat | None = None
     last_heartbeat: float = field(default_factory=time.monotonic)
+    slowest_step_s: float = 0.0
+
+
+@dataclass
+class Recovery:
+    """One failure and what it cost: when it was detected and when the rebuilt instance was serving again."""
+
+    why: str
+    generation: int
+    detected_at: float
+    recovered_at: float | None = None
+    requests_resumed: int = 0
 
 
 class Engine:
@@ -75,13 +101,19 @@ class Engine:
         self.model_config = self._read_model_config(config.model_dir)
         self.context_length = int(self.model_config.get("max_position_embeddings") or 2**31)
         self.instance = uuid.uuid4().hex[:12]
-        self.generation = 0
+        self.generation = -1
         self.runners: list[_Runner] = []
         self.requests: dict[str, RequestHandle] = {}
+        self.recoveries: list[Recovery] = []
+        self.diagnostics: list[Diagnostic] = []
         self._lock = threading.Lock()
         self._state_changed = threading.Condition(self._lock)
         self._closed = False
+        self._stop = threading.Event()
+        self.serving = False  # a generation is up and accepting steps
         self.failure: str | None = None
+        self.control: Outbox | None = None
+        self.inbox: Inbox | None = None
         port = _free_port(config.host)
         self.endpoint = f"tcp/{config.host}:{port}"
         self.session = open_session([self.endpoint], [])
@@ -101,36 +133,79 @@ class Engine:
             check_architecture(config)
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
-        return config
+        total = int(config.get("num_hidden_layers", 0))
+        return config | {"num_hidden_layers": total}
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self) -> Engine:
+        """Bring the first generation up, retrying within the restart budget; raise if it cannot."""
+        total = int(self.model_config["num_hidden_layers"])
+        if self.config.stages > total:
+            self.shutdown()
+            raise EngineError(f"{self.config.stages} stages requested, the model has only {total} layers")
         try:
-            self._start_generation()
+            self._bring_up()
         except BaseException:
             self.shutdown()
             raise
+        if self.failure is not None:
+            why = self.failure
+            self.shutdown()
+            raise EngineError(why)
+        self._monitor = threading.Thread(target=self._run_monitor, daemon=True, name="engine-monitor")
+        self._monitor.start()
         return self
+
+    def _bring_up(self) -> None:
+        """Start a new generation; on failure, back off and retry until the restart budget is spent."""
+        while not self._closed:
+            try:
+                self._start_generation()
+                return
+            except EngineError as exc:
+                self._kill_generation()
+                if not self._count_failure(str(exc)):
+                    return
+
+    def _count_failure(self, why: str) -> bool:
+        """Record a failure; False (and the instance failed) once the budget is spent, else back off."""
+        self.recoveries.append(Recovery(why=why, generation=self.generation, detected_at=time.monotonic()))
+        if not self._within_budget(why):
+            return False
+        self._stop.wait(self._backoff())
+        return not self._closed
+
+    def _within_budget(self, why: str) -> bool:
+        now = time.monotonic()
+        recent = [r for r in self.recoveries if now - r.detected_at <= self.config.restart_window_s]
+        if len(recent) > self.config.max_restarts:
+            window = self.config.restart_window_s
+            self._fail_instance(f"{why} (gave up after {len(recent)} failures in {window:.0f}s)")
+            return False
+        return True
+
+    def _backoff(self) -> float:
+        now = time.monotonic()
+        recent = [r for r in self.recoveries if now - r.detected_at <= self.config.restart_window_s]
+        return min(self.config.backoff_max_s, self.config.backoff_s * 2 ** max(0, len(recent) - 1))
 
     def _start_generation(self) -> None:
         cfg = self.config
+        self.generation += 1
         keys = Keys(self.instance, self.generation)
         self.keys = keys
+        if self.inbox is not None:
+            self.inbox.close()  # stale messages of the old generation are dropped with it
         self.inbox = Inbox(self.session)
         self.inbox.subscribe(keys.status_all, m.STATUS, "status")
         self.inbox.subscribe(keys.events, m.EVENTS, "events")
-        total = int(self.model_config["num_hidden_layers"])
-        if cfg.stages > total:
-            raise EngineError(f"{cfg.stages} stages requested, the model has only {total} layers")
-        ranges = split_layers(total, cfg.stages)
-        cpus = (
-            sorted(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else list(range(os.cpu_count() or 1))
-        )
+        ranges = split_layers(int(self.model_config["num_hidden_layers"]), cfg.stages)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
         threads = max(1, len(cpus) // cfg.stages)
         log_dir = self._log_dir()
+        inject = cfg.faults if (self.generation == 0 or cfg.faults_every_generation) else {}
+        self.runners = []
         for stage, lr in enumerate(ranges):
             spec = RunnerSpec(
                 instance=self.instance,
@@ -145,20 +220,22 @@ class Engine:
                 listen=[f"tcp/{cfg.host}:0"],
                 prefill_step=cfg.prefill_step,
                 window=cfg.window,
-                step_timeout=cfg.step_timeout,
+                step_timeout=cfg.step_timeout + cfg.heartbeat_timeout,  # the front names a stall first
                 load_timeout=cfg.load_timeout,
                 score_budget=cfg.score_budget,
                 cpu=cpus[stage % len(cpus)] if cfg.pin_cpus else None,
                 parent_pid=os.getpid(),
+                heartbeat_s=cfg.heartbeat_s,
+                fault=inject.get(stage),
             )
-            log_path = log_dir / f"g{self.generation}-stage{stage}.log"
-            proc = spawn_runner(spec, log_path, 1 if cfg.pin_cpus else threads)
-            self.runners.append(_Runner(stage, proc, log_path))
+            proc = spawn_runner(spec, 1 if cfg.pin_cpus else threads)
+            log_file = RotatingLog(log_dir / f"stage{stage}.log")
+            pump = pump_stream(proc.stdout, stage, log_file, LineClassifier(stage), self._on_diagnostic)
+            self.runners.append(_Runner(stage, proc, log_file, pump))
         self._wait_ready(time.monotonic() + cfg.load_timeout)
         self.control = Outbox(self.session, keys.control)
         self.control.wait_matched(cfg.load_timeout)
-        self._pump = threading.Thread(target=self._pump_events, daemon=True, name="engine-events")
-        self._pump.start()
+        self._resubmit()
 
     def _log_dir(self) -> Path:
         if self.log_dir is not None:
@@ -168,39 +245,64 @@ class Engine:
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"shardline-{self.instance}-"))
         return self.log_dir
 
+    def _on_diagnostic(self, diag: Diagnostic) -> None:
+        # Runs on a pump thread: record, and let the monitor act on fatal ones.
+        log.warning("stage %s: %s %s", diag.stage, diag.kind, diag.line)
+        with self._state_changed:
+            self.diagnostics = [*self.diagnostics[-99:], diag]
+            for r in self.runners:
+                mine = r.pump is threading.current_thread()  # not a runner of an older generation
+                if mine and diag.fatal and r.fatal is None:
+                    r.fatal = diag
+            self._state_changed.notify_all()
+
     def _wait_ready(self, deadline: float) -> None:
+        assert self.inbox is not None
         while not all(r.ready for r in self.runners):
-            self._check_processes()
+            if (why := self._health()) is not None:
+                raise EngineError(why)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 waiting = [r.stage for r in self.runners if not r.ready]
                 raise EngineError(f"stages {waiting} not ready within {self.config.load_timeout:.0f}s")
             try:
-                env = self.inbox.get(timeout=min(remaining, 0.5))
+                env = self.inbox.get(timeout=min(remaining, 0.1))
             except TimeoutError:
                 continue
             self._on_status_or_event(env.message, env.tensor)
 
-    def _check_processes(self) -> None:
+    def _health(self) -> str | None:
+        """Why this generation can no longer be trusted, naming the stage; None while it is healthy."""
+        cfg = self.config
+        now = time.monotonic()
         for r in self.runners:
-            code = r.proc.poll()
             if r.failed is not None:
-                raise EngineError(f"stage {r.stage} failed ({r.failed.reason}): {r.failed.message}")
+                return f"stage {r.stage} failed ({r.failed.reason}): {r.failed.message}"
+            if r.fatal is not None:
+                return f"stage {r.stage} reported {r.fatal.kind}: {r.fatal.line}"
+            code = r.proc.poll()
             if code is not None:
-                raise EngineError(f"stage {r.stage} exited with code {code}: {self._log_tail(r)}")
+                return f"stage {r.stage} exited with code {code}: {self._log_tail(r)}"
+            if r.heartbeat is not None and now - r.last_heartbeat > cfg.heartbeat_timeout:
+                return f"stage {r.stage} stalled: no heartbeat for {now - r.last_heartbeat:.1f}s"
+            hb = r.heartbeat
+            if hb is not None and hb.busy and hb.busy_for_s > self._step_deadline(r):
+                return f"stage {r.stage} stalled: one step running for {hb.busy_for_s:.1f}s"
+        return None
+
+    def _step_deadline(self, r: _Runner) -> float:
+        # Adaptive: many times the slowest step seen, within [floor, ceiling].
+        cfg = self.config
+        return min(cfg.step_timeout, max(cfg.step_deadline_floor, 10 * r.slowest_step_s))
 
     @staticmethod
     def _log_tail(r: _Runner, lines: int = 3) -> str:
-        try:
-            text = r.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return "(no log)"
-        return " | ".join(text[-lines:]) or "(empty log)"
+        return " | ".join(r.log.tail(lines)) or "(no output)"
 
-    def _pump_events(self) -> None:
-        while not self._closed:
+    def _run_monitor(self) -> None:
+        while not self._closed and self.failure is None:
             try:
-                env = self.inbox.get(timeout=0.5)
+                env = self.inbox.get(timeout=0.1) if self.inbox is not None else None
             except TimeoutError:
                 env = None
             except Exception as exc:  # a malformed message from a peer: log and drop it, never wedge
@@ -208,25 +310,44 @@ class Engine:
                 continue
             if env is not None:
                 self._on_status_or_event(env.message, env.tensor)
-            if not self._closed and self.failure is None:
-                self._watch_runners()
-
-    def _watch_runners(self) -> None:
-        for r in self.runners:
-            code = r.proc.poll()
-            if r.failed is not None or code is not None:
-                why = (
-                    f"stage {r.stage} failed ({r.failed.reason}): {r.failed.message}"
-                    if r.failed
-                    else f"stage {r.stage} exited with code {code}: {self._log_tail(r)}"
-                )
-                self._fail_instance(why)
+            if self._closed:
                 return
+            why = self._health()
+            if why is not None:
+                self._recover(why)
+
+    def _recover(self, why: str) -> None:
+        """One rule for every failure: kill the whole generation, start a fresh one, resume every request."""
+        log.error("instance %s generation %d: %s; rebuilding", self.instance, self.generation, why)
+        self.serving = False
+        self._kill_generation()
+        if not self._count_failure(why):
+            return
+        record = self.recoveries[-1]
+        self._bring_up()
+        if self.serving:
+            record.recovered_at = time.monotonic()
+
+    def _kill_generation(self) -> None:
+        stop_runners([r.proc for r in self.runners], grace=0)
+        for r in self.runners:
+            r.pump.join(timeout=5)
+            r.log.close()
+
+    def _resubmit(self) -> None:
+        """(Re)send every unfinished request: prompt plus the tokens the client already has."""
+        with self._lock:
+            pending = [h for h in self.requests.values() if not h.done]
+            for h in pending:
+                self.control.send(m.Submit(request=h.state.spec()))
+            self.serving = True  # under the lock: a concurrent submit either is in `pending` or sends itself
+        if self.recoveries:
+            self.recoveries[-1].requests_resumed = len(pending)
 
     def _fail_instance(self, why: str) -> None:
         log.error("instance %s failed: %s", self.instance, why)
         self.failure = why
-        stop_runners([r.proc for r in self.runners], grace=0)
+        self.serving = False
         with self._lock:
             pending = [h for h in self.requests.values() if not h.done]
         for h in pending:
@@ -239,8 +360,10 @@ class Engine:
             self.runners[msg.stage].failed = msg
         elif isinstance(msg, m.Heartbeat):
             with self._state_changed:
-                self.runners[msg.stage].heartbeat = msg
-                self.runners[msg.stage].last_heartbeat = time.monotonic()
+                r = self.runners[msg.stage]
+                r.heartbeat = msg
+                r.last_heartbeat = time.monotonic()
+                r.slowest_step_s = max(r.slowest_step_s, msg.last_step_s)
                 self._state_changed.notify_all()
         elif isinstance(msg, m.TokenEvent | m.Finished | m.RequestFailed):
             with self._lock:
@@ -266,12 +389,14 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "control", None) is not None and self.failure is None:
+        self._stop.set()
+        if self.control is not None and self.serving:
             try:
                 self.control.send(m.Shutdown())
             except Exception:
                 pass
         stop_runners([r.proc for r in self.runners], grace=grace)
+        self._kill_generation()
         with self._lock:
             pending = [h for h in self.requests.values() if not h.done]
         for h in pending:
@@ -334,9 +459,18 @@ class Engine:
         handle = RequestHandle(self, state)
         with self._lock:
             self.requests[state.request_id] = handle
-        self.control.send(m.Submit(request=state.spec()))
+            # While a generation is being rebuilt the request waits here; _resubmit sends it once it is up.
+            if self.serving and self.control is not None:
+                self.control.send(m.Submit(request=state.spec()))
         return handle
 
     def cancel(self, request_id: str) -> None:
-        if not self._closed and self.failure is None:
+        if self._closed or self.failure is not None:
+            return
+        if self.serving and self.control is not None:
             self.control.send(m.Cancel(request_id=request_id))
+        else:  # nothing runs it now: finish it here so a resume does not restart it
+            with self._lock:
+                handle = self.requests.pop(request_id, None)
+            if handle is not None:
+                handle._deliver(m.Finished(request_id=request_id, reason="cancelled"), None)

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 
@@ -14,20 +13,16 @@ from shardline.compute import blas
 from shardline.runner.spec import RunnerSpec
 
 
-def spawn_runner(spec: RunnerSpec, log_path: Path, threads: int) -> subprocess.Popen:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child; closed here right after the fork
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "shardline.runner", spec.model_dump_json()],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=blas.runner_env(threads),
-            start_new_session=True,
-        )
-    finally:
-        log.close()
+def spawn_runner(spec: RunnerSpec, threads: int) -> subprocess.Popen:
+    """Start a runner in its own session (process group); its stdout and stderr come back on one pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardline.runner", spec.model_dump_json()],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=blas.runner_env(threads),
+        start_new_session=True,
+    )
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

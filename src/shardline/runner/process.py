@@ -26,7 +26,7 @@ from shardline.dataplane.transport import (
     TransportError,
     open_session,
 )
-from shardline.runner import schedule
+from shardline.runner import faults, schedule
 from shardline.runner.spec import RunnerSpec
 from shardline.runner.worker import ProtocolError, StageWorker
 
@@ -48,7 +48,10 @@ class Runner:
             self.inbox.subscribe(self.keys.control, m.CONTROL, "control")
         self.status = Outbox(self.session, self.keys.status(spec.stage))
         self.worker: StageWorker | None = None
-        self.busy = False
+        self.busy_since = 0.0  # monotonic start of the step being computed, 0 when idle
+        self.last_step_s = 0.0
+        self.phase = "loading"
+        self.weight_bytes = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -56,12 +59,15 @@ class Runner:
         spec = self.spec
         self.status.wait_matched(spec.load_timeout)
         self.status.send(m.Loading(stage=spec.stage, pid=os.getpid()))
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        faults.maybe_fire(spec.fault, "load", 0)
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
         # Attention scratch per head stays at what one chunk attending to itself needs, at any context length.
         budget = spec.score_budget or max(4096, spec.prefill_step**2)
         shard = load_shard(Path(spec.model_dir), layers, budget)
         self.worker = StageWorker(shard)
         self.weight_bytes = shard.weight_bytes()
+        faults.maybe_fire(spec.fault, "warmup", 0)
         self.worker.warm_up()
         self.downstream: Outbox | None = None
         if spec.stages > 1:
@@ -78,16 +84,20 @@ class Runner:
                 layers=(spec.layer_start, spec.layer_end),
             )
         )
-        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        self.phase = "ready"
 
     def _heartbeat(self) -> None:
         while True:
             time.sleep(self.spec.heartbeat_s)
             w = self.worker
+            since = self.busy_since
             beat = m.Heartbeat(
                 stage=self.spec.stage,
                 steps=w.steps if w else 0,
-                busy=self.busy,
+                busy=since > 0,
+                phase=self.phase,
+                busy_for_s=time.monotonic() - since if since else 0.0,
+                last_step_s=self.last_step_s,
                 peak_bytes=mx.get_peak_memory(),
                 kv_peak_bytes=w.kv_peak_bytes if w else 0,
                 weight_bytes=self.weight_bytes,
@@ -103,6 +113,20 @@ class Runner:
         else:
             self.serve_follower()
 
+    def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]:
+        assert self.worker is not None
+        self.busy_since = time.monotonic()
+        self.fire(step)
+        out = self.worker.run(step, x)
+        self.last_step_s = time.monotonic() - self.busy_since
+        self.busy_since = 0.0
+        return out
+
+    def fire(self, step: m.Step) -> None:
+        if self.spec.fault is not None:
+            phase = "decode" if step.n == 1 and step.pos > 0 else "prefill"
+            faults.maybe_fire(self.spec.fault, phase, self.worker.steps if self.worker else 0)
+
     # ---- follower ----------------------------------------------------------------------------------------
 
     def serve_follower(self) -> None:
@@ -111,9 +135,7 @@ class Runner:
             env = self.inbox.get(timeout=None)  # idle wait: a follower only reacts
             msg = env.message
             if isinstance(msg, m.Step):
-                self.busy = True
-                out, tensor = self.worker.run(msg, env.tensor)
-                self.busy = False
+                out, tensor = self.compute(msg, env.tensor)
                 self.downstream.send(out, tensor)
             elif isinstance(msg, m.Release):
                 self.worker.release(msg.request_id)
@@ -214,9 +236,7 @@ class Leader:
         )
         tokens = mx.array([req.known[step.pos : step.pos + step.n]], dtype=mx.int32)
         self.in_flight[self.seq] = step.request_id
-        self.r.busy = True
-        out, tensor = self.worker.run(msg, tokens)
-        self.r.busy = False
+        out, tensor = self.r.compute(msg, tokens)
         if self.r.downstream is None:  # a single stage is its own last stage
             self.on_result(out, tensor)
         else:

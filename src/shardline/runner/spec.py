@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
+
+
+class Fault(BaseModel):
+    """A failure to inject (tests, chaos bench): at `phase`, after `after_steps` steps of this stage."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    phase: Literal["load", "warmup", "prefill", "decode"]
+    action: Literal["raise", "exit", "hang", "ring_abort"]
+    after_steps: int = 0
 
 
 class RunnerSpec(BaseModel):
@@ -26,6 +38,7 @@ class RunnerSpec(BaseModel):
     cpu: int | None = None
     parent_pid: int | None = None
     heartbeat_s: float = 1.0
+    fault: Fault | None = None
 
     @property
     def is_leader(self) -> bool:

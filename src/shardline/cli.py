@@ -113,6 +113,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from shardline.bench.chaos import run
+
+    _positive(args.requests, "--requests")
+    if args.stages not in (2, 3):
+        raise CliError(f"--stages must be 2 or 3, got {args.stages}")
+    run(model=args.model, json_path=args.json, requests=args.requests, seed=args.seed, stages=args.stages)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -146,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", type=Path, default=None, help="write the results to this file")
     be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
     be.set_defaults(func=cmd_bench_engine)
+    bc = bsub.add_parser("chaos", help="requests while stages are killed, stalled and aborted at random")
+    bc.add_argument("--model", default=None)
+    bc.add_argument("--json", type=Path, default=None)
+    bc.add_argument("--requests", type=int, default=8)
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument("--stages", type=int, default=2)
+    bc.set_defaults(func=cmd_bench_chaos)
     return parser
 
 

@@ -91,7 +91,6 @@ def run(model: str | None, json_path: Path | None, quick: bool = False) -> dict:
         raw["s2_overlap_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]
         one = _timed_request(engine, short_prompt, decode_tokens)
         raw["s2_1stream_tps"] = _decode_tps(one)
-        start = time.perf_counter()
         handles = [engine.submit(_prompt(32, vocab, offset=k), max_tokens=decode_tokens) for k in (5, 9)]
         firsts = []
         for h in handles:
@@ -102,7 +101,6 @@ def run(model: str | None, json_path: Path | None, quick: bool = False) -> dict:
         end = time.perf_counter()
         # Aggregate decode rate: tokens after each stream's first, over the span both were decoding.
         raw["s2_2stream_tps"] = 2 * (decode_tokens - 1) / (end - min(firsts))
-        del start
 
     with _engine(model_dir, 2, window=1) as engine:
         raw["s2_serial_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]

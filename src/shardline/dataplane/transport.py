@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,7 +170,3 @@ class Inbox:
             except zenoh.ZError:
                 pass
         self._subs.clear()
-
-
-def monotonic_deadline(seconds: float) -> float:
-    return time.monotonic() + seconds

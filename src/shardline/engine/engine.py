@@ -22,7 +22,7 @@ from shardline.compute.sampling import SamplingParams
 from shardline.compute.shard import check_architecture, split_layers
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Inbox, Keys, Outbox, open_session
-from shardline.engine.launch import kill_group, spawn_runner, stop_runners
+from shardline.engine.launch import spawn_runner, stop_runners
 from shardline.engine.request import RequestHandle, RequestState
 from shardline.runner.spec import Fault, RunnerSpec
 from shardline.supervisor.classify import LineClassifier
@@ -405,10 +405,6 @@ class Engine:
             self.session.close()
         except Exception:
             pass
-
-    def kill(self) -> None:
-        for r in self.runners:
-            kill_group(r.proc)
 
     def __enter__(self) -> Engine:
         return self

@@ -123,6 +123,13 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    from shardline.bench.resume import run
+
+    run(model=args.model, json_path=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -163,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--stages", type=int, default=2)
     bc.set_defaults(func=cmd_bench_chaos)
+    br = bsub.add_parser("resume", help="pause and exactness of exact vs fast resume after a SIGKILL")
+    br.add_argument("--model", default=None)
+    br.add_argument("--json", type=Path, default=None)
+    br.set_defaults(func=cmd_bench_resume)
     return parser
 
 

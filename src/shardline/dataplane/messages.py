@@ -74,6 +74,7 @@ class RequestSpec(Wire):
     request_id: str
     prompt: list[int]
     generated: list[int] = []  # already streamed to the client; replayed as decode steps on resume
+    index_base: int = 0  # tokens the client already has that are folded into `prompt` (fast resume)
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_tokens: list[int] = []

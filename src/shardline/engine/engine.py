@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,6 +62,9 @@ class EngineConfig(BaseModel):
     log_dir: Path | None = None
     faults: dict[int, Fault] = {}  # stage -> failure to inject (tests, chaos bench)
     faults_every_generation: bool = False  # False: only the first generation fails, so recovery can succeed
+    # exact: replay prompt chunks then emitted tokens as decode steps (fault-free numerics, greedy unchanged);
+    # fast: one prefill of prompt + emitted (fewer steps; a near tie can flip). `bench resume` measures both.
+    resume: Literal["exact", "fast"] = "exact"
 
 
 def _free_port(host: str) -> int:
@@ -80,6 +83,7 @@ class _Runner:
     failed: m.RunnerFailed | None = None
     fatal: Diagnostic | None = None
     heartbeat: m.Heartbeat | None = None
+    alive: bool = False  # has said anything yet: silence before that is covered by load_timeout
     last_heartbeat: float = field(default_factory=time.monotonic)
     slowest_step_s: float = 0.0
 
@@ -90,7 +94,9 @@ class Recovery:
 
     why: str
     generation: int
-    detected_at: float
+    detected_at: float  # monotonic
+    detected_wall: float  # time.time(), comparable with timestamps other processes log
+    pids: list[int]  # the runners of the failed generation, all killed
     recovered_at: float | None = None
     requests_resumed: int = 0
 
@@ -164,13 +170,24 @@ class Engine:
                 self._start_generation()
                 return
             except EngineError as exc:
+                self._record_failure(str(exc))
                 self._kill_generation()
-                if not self._count_failure(str(exc)):
+                if not self._may_retry(str(exc)):
                     return
 
-    def _count_failure(self, why: str) -> bool:
-        """Record a failure; False (and the instance failed) once the budget is spent, else back off."""
-        self.recoveries.append(Recovery(why=why, generation=self.generation, detected_at=time.monotonic()))
+    def _record_failure(self, why: str) -> None:
+        self.recoveries.append(
+            Recovery(
+                why=why,
+                generation=self.generation,
+                detected_at=time.monotonic(),
+                detected_wall=time.time(),
+                pids=[r.proc.pid for r in self.runners],
+            )
+        )
+
+    def _may_retry(self, why: str) -> bool:
+        """False (and the instance failed) once the restart budget is spent; else back off first."""
         if not self._within_budget(why):
             return False
         self._stop.wait(self._backoff())
@@ -221,6 +238,7 @@ class Engine:
                 prefill_step=cfg.prefill_step,
                 window=cfg.window,
                 step_timeout=cfg.step_timeout + cfg.heartbeat_timeout,  # the front names a stall first
+                step_deadline_floor=cfg.step_deadline_floor,
                 load_timeout=cfg.load_timeout,
                 score_budget=cfg.score_budget,
                 cpu=cpus[stage % len(cpus)] if cfg.pin_cpus else None,
@@ -283,7 +301,7 @@ class Engine:
             code = r.proc.poll()
             if code is not None:
                 return f"stage {r.stage} exited with code {code}: {self._log_tail(r)}"
-            if r.heartbeat is not None and now - r.last_heartbeat > cfg.heartbeat_timeout:
+            if r.alive and now - r.last_heartbeat > cfg.heartbeat_timeout:
                 return f"stage {r.stage} stalled: no heartbeat for {now - r.last_heartbeat:.1f}s"
             hb = r.heartbeat
             if hb is not None and hb.busy and hb.busy_for_s > self._step_deadline(r):
@@ -320,13 +338,10 @@ class Engine:
         """One rule for every failure: kill the whole generation, start a fresh one, resume every request."""
         log.error("instance %s generation %d: %s; rebuilding", self.instance, self.generation, why)
         self.serving = False
+        self._record_failure(why)
         self._kill_generation()
-        if not self._count_failure(why):
-            return
-        record = self.recoveries[-1]
-        self._bring_up()
-        if self.serving:
-            record.recovered_at = time.monotonic()
+        if self._may_retry(why):
+            self._bring_up()
 
     def _kill_generation(self) -> None:
         stop_runners([r.proc for r in self.runners], grace=0)
@@ -339,10 +354,16 @@ class Engine:
         with self._lock:
             pending = [h for h in self.requests.values() if not h.done]
             for h in pending:
-                self.control.send(m.Submit(request=h.state.spec()))
+                if len(h.state.generated) >= h.state.max_tokens:
+                    # Every token arrived, only the Finished event was lost with the old generation.
+                    h._deliver(m.Finished(request_id=h.request_id, reason="length"), None)
+                    self.requests.pop(h.request_id, None)
+                else:
+                    self.control.send(m.Submit(request=h.state.spec(self.config.resume)))
             self.serving = True  # under the lock: a concurrent submit either is in `pending` or sends itself
-        if self.recoveries:
+        if self.recoveries and self.recoveries[-1].recovered_at is None:
             self.recoveries[-1].requests_resumed = len(pending)
+            self.recoveries[-1].recovered_at = time.monotonic()
 
     def _fail_instance(self, why: str) -> None:
         log.error("instance %s failed: %s", self.instance, why)
@@ -354,7 +375,11 @@ class Engine:
             h._deliver(m.RequestFailed(request_id=h.request_id, message=f"instance failed: {why}"), None)
 
     def _on_status_or_event(self, msg: Any, tensor: Any) -> None:
-        if isinstance(msg, m.Ready):
+        if isinstance(msg, m.Loading):
+            # Alive from here on: silence is a stall even before the first heartbeat (SIGSTOP during load).
+            self.runners[msg.stage].last_heartbeat = time.monotonic()
+            self.runners[msg.stage].alive = True
+        elif isinstance(msg, m.Ready):
             self.runners[msg.stage].ready = msg
         elif isinstance(msg, m.RunnerFailed):
             self.runners[msg.stage].failed = msg

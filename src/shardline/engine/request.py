@@ -43,8 +43,18 @@ class RequestState:
     error: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)
 
-    def spec(self) -> m.RequestSpec:
+    def spec(self, resume: str = "exact") -> m.RequestSpec:
         """What to send a leader now: prompt plus everything already streamed, so a resume continues."""
+        if resume == "fast" and self.generated:
+            return m.RequestSpec(
+                request_id=self.request_id,
+                prompt=[*self.prompt, *self.generated],
+                index_base=len(self.generated),
+                max_tokens=self.max_tokens - len(self.generated),
+                sampling=self.sampling,
+                stop_tokens=self.stop_tokens,
+                want_logits=self.want_logits,
+            )
         return m.RequestSpec(
             request_id=self.request_id,
             prompt=self.prompt,

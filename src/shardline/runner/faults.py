@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+import time
 
 from shardline.runner.spec import Fault
 
@@ -17,6 +19,15 @@ class InjectedFault(RuntimeError):
 
 def maybe_fire(fault: Fault | None, phase: str, steps: int) -> None:
     if fault is None or fault.phase != phase or steps < fault.after_steps:
+        return
+    # The moment of the fault, for tests that measure how fast it is detected.
+    print(
+        f"shardline fault injected: {fault.action} in {phase} at {time.time():.6f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if fault.action in ("sigkill", "sigstop"):
+        os.kill(os.getpid(), signal.SIGKILL if fault.action == "sigkill" else signal.SIGSTOP)
         return
     if fault.action == "raise":
         raise InjectedFault(f"injected failure in {phase}")

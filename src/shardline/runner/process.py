@@ -50,6 +50,7 @@ class Runner:
         self.worker: StageWorker | None = None
         self.busy_since = 0.0  # monotonic start of the step being computed, 0 when idle
         self.last_step_s = 0.0
+        self.slowest_step_s = 0.0
         self.phase = "loading"
         self.weight_bytes = 0
 
@@ -102,6 +103,12 @@ class Runner:
                 kv_peak_bytes=w.kv_peak_bytes if w else 0,
                 weight_bytes=self.weight_bytes,
             )
+            if since and beat.busy_for_s > self.watchdog_s():
+                # Our own watchdog: a step this far past its deadline means this process is wedged (a stuck
+                # kernel, a lost peer in a collective). Exit with a typed reason rather than limp on.
+                self.die(
+                    "deadline", f"step running for {beat.busy_for_s:.1f}s (watchdog {self.watchdog_s():.1f}s)"
+                )
             try:
                 self.status.send(beat)
             except TransportError:
@@ -113,12 +120,29 @@ class Runner:
         else:
             self.serve_follower()
 
+    def watchdog_s(self) -> float:
+        # Adaptive like the front's deadline, but later, so the front names the stall first when it can.
+        spec = self.spec
+        return min(spec.step_timeout, max(spec.step_deadline_floor, 10 * self.slowest_step_s)) * 2
+
+    def die(self, reason: str, message: str) -> None:
+        print(
+            f"shardline runner stage {self.spec.stage} failed ({reason}): {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            self.status.send(m.RunnerFailed(stage=self.spec.stage, reason=reason, message=message))
+        finally:
+            os._exit(EXIT_FAILED)
+
     def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]:
         assert self.worker is not None
         self.busy_since = time.monotonic()
         self.fire(step)
         out = self.worker.run(step, x)
         self.last_step_s = time.monotonic() - self.busy_since
+        self.slowest_step_s = max(self.slowest_step_s, self.last_step_s)
         self.busy_since = 0.0
         return out
 
@@ -255,7 +279,7 @@ class Leader:
             self.emit(
                 m.TokenEvent(
                     request_id=rid,
-                    index=req.generated - 1,
+                    index=req.spec.index_base + req.generated - 1,
                     token=res.token,
                     logprob=res.logprob or 0.0,
                     top_logprobs=res.top_logprobs,

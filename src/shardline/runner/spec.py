@@ -13,7 +13,7 @@ class Fault(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     phase: Literal["load", "warmup", "prefill", "decode"]
-    action: Literal["raise", "exit", "hang", "ring_abort"]
+    action: Literal["raise", "exit", "hang", "ring_abort", "sigkill", "sigstop"]
     after_steps: int = 0
 
 
@@ -33,6 +33,7 @@ class RunnerSpec(BaseModel):
     prefill_step: int = 256
     window: int = 0  # steps in flight around the ring; 0 = stages + 1
     step_timeout: float = 60.0
+    step_deadline_floor: float = 2.0
     load_timeout: float = 120.0
     score_budget: int = 0  # 0 = compute.attention default
     cpu: int | None = None

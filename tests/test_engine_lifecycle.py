@@ -73,3 +73,25 @@ def test_unsupported_architecture_is_refused(tiny_models, tmp_path):
     (bad / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
     with pytest.raises(EngineError, match="'mamba' is not supported"):
         Engine(EngineConfig(model_dir=bad, stages=2))
+
+
+@pytest.mark.timeout(120)
+def test_bad_messages_from_peers_change_nothing(tiny_models, start_engine):
+    """Garbage frames and a well-formed message naming a stage that does not exist are dropped."""
+    from shardline.dataplane import messages as m
+    from shardline.dataplane.transport import Outbox, open_session
+
+    ref = Reference(tiny_models["qwen3"])
+    engine = start_engine(tiny_models["qwen3"], 2)
+    peer = open_session([], [engine.endpoint])
+    try:
+        for key in (engine.keys.status(0), engine.keys.events):
+            out = Outbox(peer, key)
+            out.wait_matched(10)  # the engine is subscribed: these frames reach it
+            out._pub.put(b"\x00\x01garbage")
+            out.send(m.Heartbeat(stage=99, steps=1, busy=False))
+            out.send(m.TokenEvent(request_id="nobody", index=0, token=1, logprob=0.0))
+        _next_request_is_correct(engine, ref)
+        assert engine.failure is None and not engine.recoveries
+    finally:
+        peer.close()

@@ -169,10 +169,11 @@ class Engine:
             try:
                 self._start_generation()
                 return
-            except EngineError as exc:
-                self._record_failure(str(exc))
+            except Exception as exc:  # anything that stops a generation from coming up counts as a failure
+                why = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+                self._record_failure(why)
                 self._kill_generation()
-                if not self._may_retry(str(exc)):
+                if not self._may_retry(why):
                     return
 
     def _record_failure(self, why: str) -> None:
@@ -327,12 +328,19 @@ class Engine:
                 log.warning("dropped bad message: %s", exc)
                 continue
             if env is not None:
-                self._on_status_or_event(env.message, env.tensor)
+                try:
+                    self._on_status_or_event(env.message, env.tensor)
+                except Exception as exc:  # e.g. a stage index no runner has: drop it, keep supervising
+                    log.warning("dropped message %s: %s", type(env.message).__name__, exc)
             if self._closed:
                 return
             why = self._health()
             if why is not None:
-                self._recover(why)
+                try:
+                    self._recover(why)
+                except Exception as exc:  # the monitor must never die silently: requests would wait forever
+                    log.exception("recovery failed")
+                    self._fail_instance(f"recovery failed: {type(exc).__name__}: {exc}")
 
     def _recover(self, why: str) -> None:
         """One rule for every failure: kill the whole generation, start a fresh one, resume every request."""

@@ -20,7 +20,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def runner_pids(engine: Engine) -> list[int]:
-    return [r.proc.pid for r in engine.runners]
+    return engine.runner_pids()
 
 
 def assert_no_runner_left(pids: list[int]) -> None:

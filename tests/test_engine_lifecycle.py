@@ -62,7 +62,7 @@ def test_corrupt_model_dir_fails_start_cleanly(tiny_models, tmp_path):
     engine = Engine(EngineConfig(model_dir=bad, stages=2, load_timeout=60, log_dir=tmp_path / "logs"))
     with pytest.raises(EngineError, match="stage"):
         engine.start()
-    assert_no_runner_left([r.proc.pid for r in engine.runners])
+    assert_no_runner_left(engine.runner_pids())
 
 
 @pytest.mark.timeout(60)
@@ -86,9 +86,9 @@ def test_bad_messages_from_peers_change_nothing(tiny_models, start_engine):
     peer = open_session([], [engine.endpoint])
     try:
         for key in (engine.keys.status(0), engine.keys.events):
-            out = Outbox(peer, key)
+            out = Outbox(peer, key, engine.generation)
             out.wait_matched(10)  # the engine is subscribed: these frames reach it
-            out._pub.put(b"\x00\x01garbage")
+            out.send_raw(b"\x00\x01garbage")
             out.send(m.Heartbeat(stage=99, steps=1, busy=False))
             out.send(m.TokenEvent(request_id="nobody", index=0, token=1, logprob=0.0))
         _next_request_is_correct(engine, ref)

@@ -17,7 +17,7 @@ import pytest
 from conftest import STEP, assert_no_runner_left, random_prompt
 
 from shardline.engine.engine import EngineError
-from shardline.engine.request import RequestError
+from shardline.errors import RequestError
 from shardline.runner.spec import Fault
 from shardline.testing.reference import Reference
 
@@ -36,7 +36,7 @@ ACTIONS = ["sigkill", "sigstop", "raise", "ring_abort"]
 
 
 def _all_pids(engine) -> list[int]:
-    return [r.proc.pid for r in engine.runners]
+    return engine.runner_pids()
 
 
 @pytest.fixture(scope="module")

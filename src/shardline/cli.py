@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from shardline.engine.engine import EngineError
-    from shardline.engine.request import RequestError
+    from shardline.errors import RequestError
     from shardline.models.errors import ModelError
 
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from shardline.engine.engine import Engine, EngineConfig
-from shardline.engine.request import RequestError
+from shardline.errors import RequestError
 
 FAULTS = {"kill": signal.SIGKILL, "stall": signal.SIGSTOP, "abort": signal.SIGABRT}
 MAX_TOKENS = 16
@@ -80,8 +80,8 @@ def run(
                     continue
                 stage = rng.randrange(stages)
                 kind = rng.choice(sorted(FAULTS))
-                pid = engine.runners[stage].proc.pid
-                pids.update(r.proc.pid for r in engine.runners)
+                pid = engine.runner_pids()[stage]
+                pids.update(engine.all_runner_pids())
                 faults.append((time.monotonic(), kind, stage))
                 try:
                     os.kill(pid, FAULTS[kind])
@@ -94,7 +94,7 @@ def run(
         done.set()
         thread.join()
         recoveries = list(engine.recoveries)
-        pids.update(r.proc.pid for r in engine.runners)
+        pids.update(engine.all_runner_pids())
     orphans = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
     detect = []

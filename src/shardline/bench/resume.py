@@ -44,7 +44,7 @@ def _one(engine: Engine, prompt: list[int], kill_stage: int | None) -> tuple[lis
         tokens.append(tok.token)
         stamps.append(time.monotonic())
         if kill_stage is not None and len(tokens) == KILL_AFTER:
-            os.kill(engine.runners[kill_stage].proc.pid, signal.SIGKILL)
+            os.kill(engine.runner_pids()[kill_stage], signal.SIGKILL)
     pause = stamps[KILL_AFTER] - stamps[KILL_AFTER - 1] if kill_stage is not None else None
     return tokens, pause
 

@@ -39,11 +39,11 @@ def _key(seed: int, position: int) -> mx.array:
 def apply_repetition_penalty(logits: mx.array, context: list[int], penalty: float) -> mx.array:
     if penalty == 1.0 or not context:
         return logits
-    ids = mx.array(sorted(set(context)))
-    picked = logits[ids]
-    picked = mx.where(picked < 0, picked * penalty, picked / penalty)
-    logits[ids] = picked
-    return logits
+    # A new array: the caller's logits (returned to clients as logits) must not change.
+    hit = mx.zeros(logits.shape, dtype=mx.bool_)
+    hit[mx.array(sorted(set(context)))] = True
+    penalised = mx.where(logits < 0, logits * penalty, logits / penalty)
+    return mx.where(hit, penalised, logits)
 
 
 def sample(logits: mx.array, params: SamplingParams, position: int, context: list[int]) -> Sampled:

@@ -1,7 +1,14 @@
 """Everything that crosses a process boundary, one tagged union per channel.
 
-Channels: the ring (stage r -> r+1, last -> 0), control (front -> leader), events (leader -> front) and
-status (runner -> front). Models ignore unknown fields so a newer peer never wedges an older one.
+Channels:
+- ring: stage r -> r+1, last -> 0 (steps, results, release, stop);
+- control: fronts -> leader (submit, cancel, shutdown);
+- events: leader -> fronts (tokens, finishes, admissions, the leader's beat);
+- status: runners, node agents and fronts -> the instance controller (what it judges health from);
+- agent: controller -> node agent (start a runner, stop a generation);
+- instance: controller -> fronts (a generation serves, is being rebuilt, the instance failed).
+
+Models ignore unknown fields so a newer peer never wedges an older one.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shardline.compute.sampling import SamplingParams
+from shardline.runner.spec import RunnerSpec
+from shardline.supervisor.diagnostics import Diagnostic
 
 
 class Wire(BaseModel):
@@ -21,6 +30,14 @@ class Wire(BaseModel):
 class TensorMeta(Wire):
     dtype: str
     shape: list[int]
+
+
+class StepTime(Wire):
+    """How long one stage took for a step of n positions attending to `context` keys."""
+
+    n: int
+    context: int
+    seconds: float
 
 
 # ---- ring: stage to stage, in order -------------------------------------------------------------------
@@ -39,6 +56,7 @@ class Step(Wire):
     context: list[int] = []
     want_logits: bool = False
     reserve: int = 0  # on a request's first step: positions to allocate the KV cache for at once
+    trace: list[float] = []  # compute seconds of each stage so far: the leader learns every stage's speed
     tensor: TensorMeta | None = None
 
 
@@ -51,6 +69,7 @@ class StepResult(Wire):
     token: int | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = []
+    trace: list[float] = []
     tensor: TensorMeta | None = None  # the logits, when asked for
 
 
@@ -67,7 +86,7 @@ RingMessage = Annotated[Step | StepResult | Release | Stop, Field(discriminator=
 RING = TypeAdapter(RingMessage)
 
 
-# ---- control: front -> leader ------------------------------------------------------------------------
+# ---- control: fronts -> leader -----------------------------------------------------------------------
 
 
 class RequestSpec(Wire):
@@ -83,11 +102,15 @@ class RequestSpec(Wire):
 
 class Submit(Wire):
     kind: Literal["submit"] = "submit"
+    front: str  # the sending front and its message count: the leader's beat says what it has seen
+    seq: int
     request: RequestSpec
 
 
 class Cancel(Wire):
     kind: Literal["cancel"] = "cancel"
+    front: str
+    seq: int
     request_id: str
 
 
@@ -99,13 +122,13 @@ ControlMessage = Annotated[Submit | Cancel | Shutdown, Field(discriminator="kind
 CONTROL = TypeAdapter(ControlMessage)
 
 
-# ---- events: leader -> front -------------------------------------------------------------------------
+# ---- events: leader -> fronts ------------------------------------------------------------------------
 
 
 class TokenEvent(Wire):
     kind: Literal["token"] = "token"
     request_id: str
-    index: int  # position in the generated sequence, so the front can drop duplicates after a resume
+    index: int  # position in the generated sequence: a gap is a lost event, a repeat is a replay
     token: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = []
@@ -116,6 +139,7 @@ class Finished(Wire):
     kind: Literal["finished"] = "finished"
     request_id: str
     reason: Literal["stop", "length", "cancelled"]
+    tokens: int = 0  # tokens the client must hold now: fewer means an event was lost
 
 
 class RequestFailed(Wire):
@@ -124,11 +148,26 @@ class RequestFailed(Wire):
     message: str
 
 
-Event = Annotated[TokenEvent | Finished | RequestFailed, Field(discriminator="kind")]
+class Admitted(Wire):
+    """The leader reserved the request's KV and runs it: it no longer waits in a queue."""
+
+    kind: Literal["admitted"] = "admitted"
+    request_id: str
+
+
+class LeaderBeat(Wire):
+    """What the leader holds: a request a front sent (seq <= seen) that is not listed has lost its end."""
+
+    kind: Literal["leader_beat"] = "leader_beat"
+    seen: dict[str, int]  # front -> last control seq processed
+    requests: list[str]  # admitted and waiting
+
+
+Event = Annotated[TokenEvent | Finished | RequestFailed | Admitted | LeaderBeat, Field(discriminator="kind")]
 EVENTS = TypeAdapter(Event)
 
 
-# ---- status: runner -> front --------------------------------------------------------------------------
+# ---- status: -> the instance controller ----------------------------------------------------------------
 
 
 class Loading(Wire):
@@ -143,6 +182,8 @@ class Ready(Wire):
     pid: int
     weight_bytes: int
     layers: tuple[int, int]
+    kv_bytes_per_token: int = 0  # this stage's layers
+    warmup: list[StepTime] = []  # seeds the step deadline before any real step ran
 
 
 class Heartbeat(Wire):
@@ -152,23 +193,127 @@ class Heartbeat(Wire):
     busy: bool
     phase: Literal["loading", "ready"] = "ready"
     busy_for_s: float = 0.0  # how long the current step has been running (0 when idle)
-    last_step_s: float = 0.0  # duration of the last completed step
+    busy_n: int = 0  # the current step's positions and the keys it attends to: its deadline scales with them
+    busy_context: int = 0
+    last_step: StepTime | None = None
     peak_bytes: int = 0  # MLX peak since the runner became ready
+    kv_bytes: int = 0
     kv_peak_bytes: int = 0
     weight_bytes: int = 0
+    dropped: int = 0  # frames this runner refused: unparsable, another generation, unknown request
+    requests: int = 0
 
 
 class RunnerFailed(Wire):
     kind: Literal["runner_failed"] = "runner_failed"
     stage: int
-    reason: Literal["load", "deadline", "transport", "protocol", "compute", "peer"]
+    reason: Literal["load", "deadline", "transport", "protocol", "compute"]
     message: str
 
 
-class Exited(Wire):
-    kind: Literal["exited"] = "exited"
+class RunnerStarted(Wire):
+    """Node agent: a runner process exists."""
+
+    kind: Literal["runner_started"] = "runner_started"
+    generation: int
     stage: int
+    pid: int
 
 
-RunnerStatus = Annotated[Loading | Ready | Heartbeat | RunnerFailed | Exited, Field(discriminator="kind")]
+class RunnerExited(Wire):
+    """Node agent: a runner process is gone, and how."""
+
+    kind: Literal["runner_exited"] = "runner_exited"
+    generation: int
+    stage: int
+    pid: int
+    code: int | None = None
+    signal: int | None = None
+    log_tail: list[str] = []
+
+
+class RunnerDiagnostic(Wire):
+    """Node agent: a fatal diagnostic read from a runner's output."""
+
+    kind: Literal["runner_diagnostic"] = "runner_diagnostic"
+    generation: int
+    stage: int
+    diagnostic: Diagnostic
+
+
+class GenerationFault(Wire):
+    """Front: the generation lost a message (a token gap, a request the leader no longer holds)."""
+
+    kind: Literal["generation_fault"] = "generation_fault"
+    generation: int
+    why: str
+
+
+class Resubmitted(Wire):
+    """Front: requests it resent to a new generation."""
+
+    kind: Literal["resubmitted"] = "resubmitted"
+    generation: int
+    requests: int
+
+
+RunnerStatus = Annotated[
+    Loading
+    | Ready
+    | Heartbeat
+    | RunnerFailed
+    | RunnerStarted
+    | RunnerExited
+    | RunnerDiagnostic
+    | GenerationFault
+    | Resubmitted,
+    Field(discriminator="kind"),
+]
 STATUS = TypeAdapter(RunnerStatus)
+
+
+# ---- agent: controller -> node agent ---------------------------------------------------------------------
+
+
+class StartRunner(Wire):
+    kind: Literal["start_runner"] = "start_runner"
+    spec: RunnerSpec
+    threads: int = 1
+
+
+class StopGeneration(Wire):
+    """Stop every runner of the instance whose generation is not `keep` (-1: all), after `grace_s`."""
+
+    kind: Literal["stop_generation"] = "stop_generation"
+    instance: str
+    keep: int = -1
+    grace_s: float = 0.0
+
+
+AgentCommand = Annotated[StartRunner | StopGeneration, Field(discriminator="kind")]
+AGENT = TypeAdapter(AgentCommand)
+
+
+# ---- instance: controller -> fronts ---------------------------------------------------------------------
+
+
+class Serving(Wire):
+    kind: Literal["serving"] = "serving"
+    generation: int
+    kv_bytes_per_token: int  # all stages together
+    kv_budget_bytes: int
+
+
+class Recovering(Wire):
+    kind: Literal["recovering"] = "recovering"
+    generation: int
+    why: str
+
+
+class InstanceFailed(Wire):
+    kind: Literal["instance_failed"] = "instance_failed"
+    why: str
+
+
+InstanceUpdate = Annotated[Serving | Recovering | InstanceFailed, Field(discriminator="kind")]
+INSTANCE = TypeAdapter(InstanceUpdate)

@@ -1,22 +1,26 @@
 """zenoh sessions, point-to-point keys and in-order inboxes with deadlines.
 
-Each link has exactly one publisher. zenoh keeps per-publisher order over a reliable, blocking (never
-dropping) channel; sequence numbers in the messages let the receiver prove it.
+Each link has exactly one publisher per sender. zenoh keeps per-publisher order over a reliable, blocking
+(never dropping) channel; sequence numbers in the messages let the receiver prove it. An inbox trusts
+nothing it reads: a frame that fails to parse or names another generation is dropped and counted.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zenoh
 from pydantic import TypeAdapter
 
 from shardline.dataplane import frame
+
+log = logging.getLogger("shardline.transport")
 
 
 class DeadlineExceeded(TimeoutError):
@@ -43,14 +47,18 @@ def open_session(listen: list[str], connect: list[str]) -> zenoh.Session:
 
 @dataclass(frozen=True)
 class Keys:
-    """Key space of one instance generation: stale messages of an older generation never match."""
+    """Key space of one instance; per-generation keys keep an old generation's traffic apart."""
 
     instance: str
-    generation: int
+    generation: int = 0
+
+    @property
+    def base(self) -> str:
+        return f"shardline/{self.instance}"
 
     @property
     def root(self) -> str:
-        return f"shardline/{self.instance}/g{self.generation}"
+        return f"{self.base}/g{self.generation}"
 
     def ring(self, to_stage: int) -> str:
         return f"{self.root}/ring/{to_stage}"
@@ -63,18 +71,35 @@ class Keys:
     def events(self) -> str:
         return f"{self.root}/events"
 
+    @property
+    def events_any(self) -> str:
+        # Fronts listen before they know the generation: a leader's events must match a receiver at once.
+        return f"{self.base}/*/events"
+
     def status(self, stage: int) -> str:
         return f"{self.root}/status/{stage}"
 
     @property
-    def status_all(self) -> str:
-        return f"{self.root}/status/*"
+    def status_any(self) -> str:
+        return f"{self.base}/*/status/*"
+
+    @property
+    def reports(self) -> str:
+        return f"{self.base}/reports"  # node agents and fronts -> controller
+
+    @property
+    def agent(self) -> str:
+        return f"{self.base}/agent"  # controller -> node agent
+
+    @property
+    def updates(self) -> str:
+        return f"{self.base}/updates"  # controller -> fronts
 
 
 class Outbox:
-    """The single sender of one link."""
+    """The single sender of one link; frames carry the sender's generation."""
 
-    def __init__(self, session: zenoh.Session, key: str) -> None:
+    def __init__(self, session: zenoh.Session, key: str, generation: int = 0) -> None:
         self._matched = threading.Event()
         self._pub = session.declare_publisher(
             key, congestion_control=zenoh.CongestionControl.BLOCK, express=True
@@ -83,6 +108,7 @@ class Outbox:
         if self._pub.matching_status.matching:
             self._matched.set()
         self.key = key
+        self.generation = generation
 
     def _on_matching(self, status: zenoh.MatchingStatus) -> None:
         if status.matching:
@@ -96,9 +122,13 @@ class Outbox:
 
     def send(self, message: Any, tensor: Any = None) -> None:
         try:
-            self._pub.put(frame.encode(message, tensor))
+            self._pub.put(frame.encode(message, tensor, self.generation))
         except zenoh.ZError as exc:
             raise TransportError(f"send on {self.key} failed: {exc}") from exc
+
+    def send_raw(self, data: bytes) -> None:
+        """Bytes as they are (tests of what receivers do with garbage)."""
+        self._pub.put(data)
 
     def close(self) -> None:
         try:
@@ -112,56 +142,72 @@ class Outbox:
 class Envelope:
     source: str
     message: Any
-    payload: Any  # numpy view of the frame, or an MLX array for local delivery
+    payload: Any  # numpy view of the frame
+    generation: int = 0
+    received_at: float = field(default_factory=time.monotonic)  # stamped on arrival, not when read
 
     @property
     def tensor(self) -> Any:
         # Queued messages stay plain bytes; MLX memory is taken only when a message is processed.
-        if not isinstance(self.payload, np.ndarray):
-            return self.payload
+        if self.payload is None:
+            return None
         return frame.to_mlx(self.payload, self.message.tensor.dtype)
 
 
 class Inbox:
-    """Merges several subscriptions into one queue; each subscription keeps its own arrival order."""
+    """Merges several subscriptions into one queue; each subscription keeps its own arrival order.
 
-    def __init__(self, session: zenoh.Session) -> None:
+    generation: accept only frames of this generation (None: any; the receiver sorts them out).
+    """
+
+    def __init__(self, session: zenoh.Session, generation: int | None = None, name: str = "inbox") -> None:
         self._session = session
-        self._queue: queue.Queue[Envelope | BaseException] = queue.Queue()
+        self._generation = generation
+        self._name = name
+        self._queue: queue.Queue[Envelope] = queue.Queue()
         self._subs: list[Any] = []
+        self._lock = threading.Lock()
+        self.dropped = 0
+        self.last_drop = ""
+
+    def drop(self, why: str) -> None:
+        """Count a refused message (here, or by the owner for a reason only it can judge)."""
+        with self._lock:
+            self.dropped += 1
+            self.last_drop = why
+            n = self.dropped
+        if n <= 5 or n % 100 == 0:  # say it, without letting a flood fill the log
+            log.warning("%s dropped message %d: %s", self._name, n, why)
 
     def subscribe(self, key: str, adapter: TypeAdapter, source: str) -> None:
         def on_sample(sample: zenoh.Sample) -> None:
+            received = time.monotonic()
             try:
-                message, tensor = frame.decode(bytes(sample.payload.to_bytes()), adapter)
-            except Exception as exc:  # a malformed frame is a typed protocol failure, raised to the owner
-                self._queue.put(frame.FrameError(f"bad message on {sample.key_expr}: {exc}"))
+                data = bytes(sample.payload.to_bytes())
+                generation = frame.generation_of(data)
+                if self._generation is not None and generation != self._generation:
+                    self.drop(f"frame of generation {generation} on {sample.key_expr}")
+                    return
+                message, tensor = frame.decode(data, adapter)
+            except Exception as exc:  # never obeyed, never fatal: a real loss is caught by a deadline
+                self.drop(f"bad frame on {sample.key_expr}: {str(exc)[:200]}")
                 return
-            self._queue.put(Envelope(source, message, tensor))
+            self._queue.put(Envelope(source, message, tensor, generation, received))
 
         self._subs.append(self._session.declare_subscriber(key, on_sample))
-
-    def put_local(self, source: str, message: Any, tensor: Any = None) -> None:
-        self._queue.put(Envelope(source, message, tensor))
 
     def get(self, timeout: float | None) -> Envelope:
         """Wait for the next message; timeout None means an idle wait, which has no deadline."""
         try:
-            item = self._queue.get(timeout=timeout)
+            return self._queue.get(timeout=timeout)
         except queue.Empty:
             raise DeadlineExceeded(f"no message within {timeout:.1f}s") from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
     def get_nowait(self) -> Envelope | None:
         try:
-            item = self._queue.get_nowait()
+            return self._queue.get_nowait()
         except queue.Empty:
             return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
     def close(self) -> None:
         for sub in self._subs:

@@ -11,29 +11,72 @@ import time
 from shardline.runner.spec import Fault
 
 RING_ABORT_LINE = "[ring] Too many send/recv errors. Aborting..."
+PHASES = ("load", "warmup", "prefill", "decode")
+_ONE_SHOT = ("raise", "exit", "hang", "ring_abort", "sigkill", "sigstop")
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-def maybe_fire(fault: Fault | None, phase: str, steps: int) -> None:
-    if fault is None or fault.phase != phase or steps < fault.after_steps:
-        return
+def _announce(fault: Fault, phase: str) -> None:
     # The moment of the fault, for tests that measure how fast it is detected.
     print(
         f"shardline fault injected: {fault.action} in {phase} at {time.time():.6f}",
         file=sys.stderr,
         flush=True,
     )
-    if fault.action in ("sigkill", "sigstop"):
-        os.kill(os.getpid(), signal.SIGKILL if fault.action == "sigkill" else signal.SIGSTOP)
-        return
-    if fault.action == "raise":
-        raise InjectedFault(f"injected failure in {phase}")
-    if fault.action == "exit":
-        os._exit(17)
-    if fault.action == "ring_abort":
-        # What the transport of the system this project replaces printed before wedging forever.
-        print(RING_ABORT_LINE, file=sys.stderr, flush=True)
-    threading.Event().wait()  # hang: a wedged runner that never exits by itself
+
+
+class Faults:
+    """The one fault this runner was told to inject, and whether it already has."""
+
+    def __init__(self, fault: Fault | None) -> None:
+        self.fault = fault
+        self.fired = False
+
+    def _due(self, phase: str, steps: int, exact_phase: bool) -> bool:
+        f = self.fault
+        if f is None or steps < f.after_steps:
+            return False
+        if exact_phase:
+            return f.phase == phase
+        return PHASES.index(phase) >= PHASES.index(f.phase)
+
+    def maybe_fire(self, phase: str, steps: int) -> None:
+        """Raise, exit, signal or hang here, once, if this is the fault's moment."""
+        f = self.fault
+        if f is None or f.action not in _ONE_SHOT or self.fired or not self._due(phase, steps, True):
+            return
+        self.fired = True
+        _announce(f, phase)
+        if f.action in ("sigkill", "sigstop"):
+            os.kill(os.getpid(), signal.SIGKILL if f.action == "sigkill" else signal.SIGSTOP)
+            return
+        if f.action == "raise":
+            raise InjectedFault(f"injected failure in {phase}")
+        if f.action == "exit":
+            os._exit(17)
+        if f.action == "ring_abort":
+            # What the transport of the system this project replaces printed before wedging forever.
+            print(RING_ABORT_LINE, file=sys.stderr, flush=True)
+        threading.Event().wait()  # hang: a wedged runner that never exits by itself
+
+    def slow_s(self, phase: str, steps: int) -> float:
+        """Extra seconds for a step: a slow stage stays slow from its phase on."""
+        f = self.fault
+        if f is None or f.action != "slow" or not self._due(phase, steps, False):
+            return 0.0
+        if not self.fired:
+            self.fired = True
+            _announce(f, phase)
+        return f.seconds
+
+    def take_drop(self, action: str, phase: str, steps: int) -> bool:
+        """True once, at the fault's moment: the caller swallows one message."""
+        f = self.fault
+        if f is None or f.action != action or self.fired or not self._due(phase, steps, False):
+            return False
+        self.fired = True
+        _announce(f, phase)
+        return True

@@ -1,7 +1,8 @@
 """A runner process: loads its shard, then serves the ring as the leader (stage 0) or a follower.
 
-It exits on Stop/Shutdown, and on any failure with a typed RunnerFailed status and a non-zero code:
-nothing limps on in a broken state.
+It exits on Stop/Shutdown, and on any failure with a typed RunnerFailed status and a non-zero code: nothing
+limps on in a broken state. What it reads it does not trust: a message that does not fit is dropped and
+counted (see the heartbeat), and a real loss is caught by a deadline.
 """
 
 from __future__ import annotations
@@ -17,24 +18,23 @@ import mlx.core as mx
 
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
-from shardline.dataplane.frame import FrameError, tensor_meta
-from shardline.dataplane.transport import (
-    DeadlineExceeded,
-    Inbox,
-    Keys,
-    Outbox,
-    TransportError,
-    open_session,
-)
-from shardline.runner import faults, schedule
+from shardline.dataplane.frame import FrameError
+from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, TransportError, open_session
+from shardline.runner.deadline import DeadlinePolicy, Speed
+from shardline.runner.faults import Faults
 from shardline.runner.spec import RunnerSpec
 from shardline.runner.worker import ProtocolError, StageWorker
 
 EXIT_FAILED = 3
+WARMUP_CHUNK_MAX = 512  # a warm-up chunk as large as a prefill chunk, within reason
 
 
 class StopRunner(Exception):
     pass
+
+
+def step_phase(step: m.Step) -> str:
+    return "decode" if step.n == 1 and step.pos > 0 else "prefill"
 
 
 class Runner:
@@ -42,16 +42,23 @@ class Runner:
         self.spec = spec
         self.keys = Keys(spec.instance, spec.generation)
         self.session = open_session(spec.listen, spec.connect)
-        self.inbox = Inbox(self.session)
+        self.inbox = Inbox(self.session, spec.generation, name=f"stage {spec.stage}")
         self.inbox.subscribe(self.keys.ring(spec.stage), m.RING, "ring")
         if spec.is_leader:
             self.inbox.subscribe(self.keys.control, m.CONTROL, "control")
-        self.status = Outbox(self.session, self.keys.status(spec.stage))
+        self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
+        self.faults = Faults(spec.fault)
+        self.policy = DeadlinePolicy(
+            spec.step_deadline_floor, spec.step_deadline_ceiling, spec.deadline_slack
+        )
+        self.speed = Speed()
         self.worker: StageWorker | None = None
-        self.busy_since = 0.0  # monotonic start of the step being computed, 0 when idle
-        self.last_step_s = 0.0
-        self.slowest_step_s = 0.0
-        self.phase = "loading"
+        self.downstream: Outbox | None = None
+        self.events: Outbox | None = None
+        self.leader: Any = None
+        self.busy: tuple[float, int, int] | None = None  # (since, n, context) of the step being computed
+        self.last_step: m.StepTime | None = None
+        self.phase: str = "loading"
         self.weight_bytes = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -61,69 +68,82 @@ class Runner:
         self.status.wait_matched(spec.load_timeout)
         self.status.send(m.Loading(stage=spec.stage, pid=os.getpid()))
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
-        faults.maybe_fire(spec.fault, "load", 0)
+        self.faults.maybe_fire("load", 0)
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
         # Attention scratch per head stays at what one chunk attending to itself needs, at any context length.
         budget = spec.score_budget or max(4096, spec.prefill_step**2)
         shard = load_shard(Path(spec.model_dir), layers, budget)
         self.worker = StageWorker(shard)
         self.weight_bytes = shard.weight_bytes()
-        faults.maybe_fire(spec.fault, "warmup", 0)
-        self.worker.warm_up()
-        self.downstream: Outbox | None = None
+        self.speed.attn_keys = 6 * shard.hidden_size
+        self.faults.maybe_fire("warmup", 0)
+        warmup = self.worker.warm_up(
+            min(spec.prefill_step, WARMUP_CHUNK_MAX), lambda: self.faults.slow_s("warmup", 0)
+        )
+        for t in warmup:
+            self.speed.observe(t.n, t.context, t.seconds)
         if spec.stages > 1:
-            self.downstream = Outbox(self.session, self.keys.ring(spec.next_stage))
+            self.downstream = Outbox(self.session, self.keys.ring(spec.next_stage), spec.generation)
             self.downstream.wait_matched(spec.load_timeout)
         if spec.is_leader:
-            self.events = Outbox(self.session, self.keys.events)
+            from shardline.runner.leader import Leader
+
+            self.events = Outbox(self.session, self.keys.events, spec.generation)
             self.events.wait_matched(spec.load_timeout)
+            self.leader = Leader(self)
+            self.leader.warm_ring()  # the whole ring works, and the leader knows every stage's speed
         self.status.send(
             m.Ready(
                 stage=spec.stage,
                 pid=os.getpid(),
-                weight_bytes=shard.weight_bytes(),
+                weight_bytes=self.weight_bytes,
                 layers=(spec.layer_start, spec.layer_end),
+                kv_bytes_per_token=self.worker.kv_bytes_per_token,
+                warmup=warmup,
             )
         )
         self.phase = "ready"
 
     def _heartbeat(self) -> None:
         while True:
-            time.sleep(self.spec.heartbeat_s)
+            time.sleep(self.spec.heartbeat_s)  # the period of a beat, not a synchronisation
             w = self.worker
-            since = self.busy_since
+            busy = self.busy
+            busy_for = time.monotonic() - busy[0] if busy else 0.0
             beat = m.Heartbeat(
                 stage=self.spec.stage,
                 steps=w.steps if w else 0,
-                busy=since > 0,
-                phase=self.phase,
-                busy_for_s=time.monotonic() - since if since else 0.0,
-                last_step_s=self.last_step_s,
+                busy=busy is not None,
+                phase="ready" if self.phase == "ready" else "loading",
+                busy_for_s=busy_for,
+                busy_n=busy[1] if busy else 0,
+                busy_context=busy[2] if busy else 0,
+                last_step=self.last_step,
                 peak_bytes=mx.get_peak_memory(),
+                kv_bytes=w.kv_bytes() if w else 0,
                 kv_peak_bytes=w.kv_peak_bytes if w else 0,
                 weight_bytes=self.weight_bytes,
+                dropped=self.inbox.dropped,
+                requests=len(self.leader.requests) if self.leader else len(w.caches) if w else 0,
             )
-            if since and beat.busy_for_s > self.watchdog_s():
-                # Our own watchdog: a step this far past its deadline means this process is wedged (a stuck
-                # kernel, a lost peer in a collective). Exit with a typed reason rather than limp on.
-                self.die(
-                    "deadline", f"step running for {beat.busy_for_s:.1f}s (watchdog {self.watchdog_s():.1f}s)"
-                )
+            if busy is not None:
+                watchdog = self.spec.watchdog_factor * self.policy.step(self.speed, busy[1], busy[2])
+                if busy_for > watchdog:
+                    # Our own watchdog: a step this far past its deadline means this process is wedged (a
+                    # stuck kernel, a lost peer). Exit with a typed reason rather than limp on.
+                    self.die("deadline", f"step running for {busy_for:.1f}s (watchdog {watchdog:.1f}s)")
             try:
                 self.status.send(beat)
+                if self.leader is not None and self.phase == "ready":
+                    self.leader.beat()
             except TransportError:
                 return
 
     def serve(self) -> None:
-        if self.spec.is_leader:
-            Leader(self).serve()
+        if self.leader is not None:
+            self.leader.serve()
         else:
             self.serve_follower()
-
-    def watchdog_s(self) -> float:
-        # Adaptive like the front's deadline, but later, so the front names the stall first when it can.
-        spec = self.spec
-        return min(spec.step_timeout, max(spec.step_deadline_floor, 10 * self.slowest_step_s)) * 2
 
     def die(self, reason: str, message: str) -> None:
         print(
@@ -137,19 +157,22 @@ class Runner:
             os._exit(EXIT_FAILED)
 
     def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]:
+        """Run one step through this stage; the outgoing message carries this stage's time in its trace."""
         assert self.worker is not None
-        self.busy_since = time.monotonic()
-        self.fire(step)
-        out = self.worker.run(step, x)
-        self.last_step_s = time.monotonic() - self.busy_since
-        self.slowest_step_s = max(self.slowest_step_s, self.last_step_s)
-        self.busy_since = 0.0
-        return out
-
-    def fire(self, step: m.Step) -> None:
-        if self.spec.fault is not None:
-            phase = "decode" if step.n == 1 and step.pos > 0 else "prefill"
-            faults.maybe_fire(self.spec.fault, phase, self.worker.steps if self.worker else 0)
+        context = step.pos + step.n
+        started = time.monotonic()
+        self.busy = (started, step.n, context)
+        phase = step_phase(step)
+        try:
+            self.faults.maybe_fire(phase, self.worker.steps)
+            out, tensor = self.worker.run(step, x)
+            time.sleep(self.faults.slow_s(phase, self.worker.steps))
+        finally:
+            self.busy = None
+        seconds = time.monotonic() - started
+        self.speed.observe(step.n, context, seconds)
+        self.last_step = m.StepTime(n=step.n, context=context, seconds=seconds)
+        return out.model_copy(update={"trace": [*step.trace, seconds]}), tensor
 
     # ---- follower ----------------------------------------------------------------------------------------
 
@@ -159,7 +182,17 @@ class Runner:
             env = self.inbox.get(timeout=None)  # idle wait: a follower only reacts
             msg = env.message
             if isinstance(msg, m.Step):
-                out, tensor = self.compute(msg, env.tensor)
+                try:
+                    x = env.tensor
+                    if x is None:
+                        raise ProtocolError("step without hidden states")
+                    self.worker.check(msg, x)
+                except (ProtocolError, FrameError, ValueError) as exc:
+                    self.inbox.drop(str(exc))
+                    continue
+                out, tensor = self.compute(msg, x)
+                if self.faults.take_drop("drop_message", step_phase(msg), self.worker.steps):
+                    continue
                 self.downstream.send(out, tensor)
             elif isinstance(msg, m.Release):
                 self.worker.release(msg.request_id)
@@ -170,135 +203,7 @@ class Runner:
                     self.downstream.send(msg)
                 raise StopRunner
             else:
-                raise ProtocolError(f"stage {self.spec.stage} got unexpected {msg.kind}")
-
-
-class Leader:
-    """Stage 0: owns the schedule. Every other stage executes what it sends, in order."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.r = runner
-        self.spec = runner.spec
-        self.worker = runner.worker
-        self.requests: dict[str, schedule.LeaderRequest] = {}
-        self.in_flight: dict[int, str] = {}  # step seq -> request id
-        self.seq = 0
-        self.tick = 0
-        self.arrivals = 0
-
-    def serve(self) -> None:
-        while True:
-            timeout = self.spec.step_timeout if self.in_flight else None
-            try:
-                env = self.r.inbox.get(timeout=timeout)
-            except DeadlineExceeded:
-                raise DeadlineExceeded(
-                    f"no result from stages 1..{self.spec.stages - 1} within {self.spec.step_timeout:.1f}s "
-                    f"({len(self.in_flight)} steps in flight)"
-                ) from None
-            self.handle(env.message, env.tensor)
-            # Drain what already arrived before deciding, so decisions see every result and cancel.
-            while (more := self.r.inbox.get_nowait()) is not None:
-                self.handle(more.message, more.tensor)
-            self.act()
-
-    def act(self) -> None:
-        window = self.spec.in_flight_window
-        while True:
-            action = schedule.plan(
-                list(self.requests.values()), len(self.in_flight), window, self.spec.prefill_step
-            )
-            if action is None:
-                return
-            if isinstance(action, schedule.ReleaseRequest):
-                self.release(action.request_id)
-            else:
-                self.feed(action)
-            # Results that arrived meanwhile free credits and may finish requests: take them in first.
-            while (more := self.r.inbox.get_nowait()) is not None:
-                self.handle(more.message, more.tensor)
-
-    def handle(self, msg: Any, tensor: Any) -> None:
-        if isinstance(msg, m.Submit):
-            spec = msg.request
-            if spec.request_id in self.requests:
-                self.emit(m.RequestFailed(request_id=spec.request_id, message="duplicate request id"))
-                return
-            self.requests[spec.request_id] = schedule.LeaderRequest(spec=spec, arrival=self.arrivals)
-            self.arrivals += 1
-        elif isinstance(msg, m.Cancel):
-            req = self.requests.get(msg.request_id)
-            if req is not None and not req.done:
-                req.done = True
-                self.emit(m.Finished(request_id=msg.request_id, reason="cancelled"))
-        elif isinstance(msg, m.Shutdown):
-            if self.r.downstream is not None:
-                self.r.downstream.send(m.Stop())
-            raise StopRunner
-        elif isinstance(msg, m.StepResult):
-            self.on_result(msg, tensor)
-        else:
-            raise ProtocolError(f"leader got unexpected {msg.kind}")
-
-    def feed(self, step: schedule.FeedStep) -> None:
-        req = self.requests[step.request_id]
-        self.tick += 1
-        schedule.apply_step_sent(req, step, self.tick)
-        self.seq += 1
-        sp = req.spec.sampling
-        context = req.known[-sp.repetition_context :] if sp.repetition_penalty != 1.0 else []
-        msg = m.Step(
-            seq=self.seq,
-            request_id=step.request_id,
-            pos=step.pos,
-            n=step.n,
-            sample=step.sample,
-            sampling=sp if step.sample else None,
-            context=context if step.sample else [],
-            want_logits=req.spec.want_logits and step.sample,
-            reserve=len(req.known) + 1 if step.pos == 0 else 0,
-        )
-        tokens = mx.array([req.known[step.pos : step.pos + step.n]], dtype=mx.int32)
-        self.in_flight[self.seq] = step.request_id
-        out, tensor = self.r.compute(msg, tokens)
-        if self.r.downstream is None:  # a single stage is its own last stage
-            self.on_result(out, tensor)
-        else:
-            self.r.downstream.send(out, tensor)
-
-    def on_result(self, res: m.StepResult, logits: Any) -> None:
-        rid = self.in_flight.pop(res.seq, None)
-        if rid != res.request_id:
-            raise ProtocolError(f"result for step {res.seq} of {res.request_id}, expected {rid}")
-        req = self.requests[rid]
-        req.in_flight -= 1
-        if res.token is None or req.done:
-            return
-        reason = schedule.apply_token(req, res.token)
-        if reason != "stop":
-            self.emit(
-                m.TokenEvent(
-                    request_id=rid,
-                    index=req.spec.index_base + req.generated - 1,
-                    token=res.token,
-                    logprob=res.logprob or 0.0,
-                    top_logprobs=res.top_logprobs,
-                    tensor=tensor_meta(logits) if logits is not None else None,
-                ),
-                logits,
-            )
-        if reason is not None:
-            self.emit(m.Finished(request_id=rid, reason=reason))
-
-    def release(self, request_id: str) -> None:
-        req = self.requests.pop(request_id)
-        req.released = True
-        self.worker.release(request_id)
-        if self.r.downstream is not None:
-            self.r.downstream.send(m.Release(request_id=request_id))
-
-    def emit(self, event: Any, tensor: Any = None) -> None:
-        self.r.events.send(event, tensor)
+                self.inbox.drop(f"stage {self.spec.stage} does not take {msg.kind} messages")
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -306,14 +211,16 @@ def _watch_parent(parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:
             os._exit(EXIT_FAILED)
-        time.sleep(0.5)
+        time.sleep(0.5)  # polling period
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException, phase: str) -> str:
     if isinstance(exc, DeadlineExceeded):
         return "deadline"
     if isinstance(exc, TransportError):
         return "transport"
+    if phase == "load" or isinstance(exc, UnsupportedArchitectureError | FileNotFoundError):
+        return "load"
     if isinstance(exc, ProtocolError | FrameError):
         return "protocol"
     return "compute"
@@ -332,12 +239,9 @@ def main(argv: list[str]) -> int:
         phase = "serve"
         runner.serve()
     except StopRunner:
-        runner.status.send(m.Exited(stage=spec.stage))
         return 0
     except BaseException as exc:
-        reason = "load" if phase == "load" and not isinstance(exc, DeadlineExceeded) else _reason(exc)
-        if isinstance(exc, UnsupportedArchitectureError | FileNotFoundError):
-            reason = "load"
+        reason = _reason(exc, phase)
         message = f"{type(exc).__name__}: {exc}"
         print(f"shardline runner stage {spec.stage} failed ({reason}): {message}", file=sys.stderr)
         try:
@@ -351,7 +255,6 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         return EXIT_FAILED
     finally:
-        # Give zenoh a moment to flush the last status before the session goes away.
         try:
             runner.session.close()
         except Exception:

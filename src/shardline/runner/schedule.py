@@ -99,3 +99,19 @@ def apply_token(req: LeaderRequest, token: int) -> str | None:
         req.done = True
         return "length"
     return None
+
+
+def admit_count(waiting: list[int], reserved: int, budget: int) -> int:
+    """How many requests at the head of the FIFO to admit, given their KV reservations (bytes).
+
+    Strict FIFO: a large request at the head is not overtaken, so it cannot starve. budget 0: no limit.
+    """
+    if budget <= 0:
+        return len(waiting)
+    count = 0
+    for need in waiting:
+        if reserved + need > budget:
+            break
+        reserved += need
+        count += 1
+    return count

@@ -8,13 +8,20 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Fault(BaseModel):
-    """A failure to inject (tests, chaos bench): at `phase`, after `after_steps` steps of this stage."""
+    """A failure to inject (tests, chaos bench): at `phase`, after `after_steps` steps of this stage.
+
+    `slow` adds `seconds` to every step from `phase` on (a slow machine, still progressing); `drop_message`
+    swallows this stage's outgoing ring message of one step; `drop_token` (stage 0) swallows one token event.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     phase: Literal["load", "warmup", "prefill", "decode"]
-    action: Literal["raise", "exit", "hang", "ring_abort", "sigkill", "sigstop"]
+    action: Literal[
+        "raise", "exit", "hang", "ring_abort", "sigkill", "sigstop", "slow", "drop_message", "drop_token"
+    ]
     after_steps: int = 0
+    seconds: float = 0.0
 
 
 class RunnerSpec(BaseModel):
@@ -32,10 +39,16 @@ class RunnerSpec(BaseModel):
     listen: list[str] = ["tcp/127.0.0.1:0"]
     prefill_step: int = 256
     window: int = 0  # steps in flight around the ring; 0 = stages + 1
-    step_timeout: float = 60.0
+    # Step deadlines: deadline_slack x the step's estimated time, within [floor, ceiling]; the runner's own
+    # watchdog waits watchdog_factor times that, so the controller names a stall first when it can.
     step_deadline_floor: float = 2.0
+    step_deadline_ceiling: float = 60.0
+    deadline_slack: float = 10.0
+    watchdog_factor: float = 2.0
     load_timeout: float = 120.0
     score_budget: int = 0  # 0 = compute.attention default
+    kv_budget_bytes: int = 0  # the leader admits requests while their KV reservations fit; 0 = no limit
+    max_waiting: int = 1024  # requests the leader holds unadmitted; fronts bound theirs below this
     cpu: int | None = None
     parent_pid: int | None = None
     heartbeat_s: float = 1.0

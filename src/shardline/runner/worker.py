@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import mlx.core as mx
 
+from shardline.compute.kv import KV_STEP, round_up
 from shardline.compute.sampling import sample
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.messages import Step, StepResult
-
-KV_STEP = 256  # mlx-lm's KVCache growth step
+from shardline.dataplane.messages import Step, StepResult, StepTime
 
 
 class ProtocolError(RuntimeError):
-    pass
+    """A message that does not fit this stage's state: never obeyed."""
 
 
 class StageWorker:
@@ -22,28 +24,36 @@ class StageWorker:
         self.caches: dict[str, list] = {}
         self.steps = 0
         self.kv_peak_bytes = 0
+        self.kv_bytes_per_token = 0
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
 
+    def check(self, step: Step, x: mx.array) -> None:
+        """Raise ProtocolError unless the step continues a request exactly where its cache stands."""
+        cache = self.caches.get(step.request_id)
+        if cache is None and step.pos != 0:
+            raise ProtocolError(f"step at position {step.pos} for unknown request {step.request_id}")
+        if cache is not None and cache[0].offset != step.pos:
+            raise ProtocolError(
+                f"request {step.request_id}: step at position {step.pos}, cache holds {cache[0].offset}"
+            )
+        if x.ndim < 2 or x.shape[1] != step.n or step.n < 1:
+            raise ProtocolError(f"step says {step.n} positions, tensor has shape {list(x.shape)}")
+        if not self.shard.range.is_first and x.shape[-1] != self.shard.hidden_size:
+            raise ProtocolError(f"hidden size {x.shape[-1]}, this model has {self.shard.hidden_size}")
+
     def run(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
         """Returns the message for the next stage (hidden states) or, on the last stage, the step's result."""
+        self.check(step, x)
         cache = self.caches.get(step.request_id)
         if cache is None:
-            if step.pos != 0:
-                raise ProtocolError(f"step at position {step.pos} for unknown request {step.request_id}")
             cache = self.caches[step.request_id] = self.shard.make_cache()
             if step.reserve:
                 # One allocation for the whole prompt: growing in small steps copies the cache each time,
                 # and the copy briefly holds two caches.
                 for c in cache:
-                    c.step = -(-step.reserve // KV_STEP) * KV_STEP
-        if cache[0].offset != step.pos:
-            raise ProtocolError(
-                f"request {step.request_id}: step at position {step.pos}, cache holds {cache[0].offset}"
-            )
-        if x.shape[1] != step.n:
-            raise ProtocolError(f"step says {step.n} positions, tensor has {x.shape[1]}")
+                    c.step = round_up(step.reserve)
         y = self.shard.forward(x, cache)
         mx.eval(y)
         if step.reserve:
@@ -71,15 +81,25 @@ class StageWorker:
         )
 
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for cache in self.caches.values() for c in cache)
+        return sum(c.nbytes for cache in list(self.caches.values()) for c in cache)
 
-    def warm_up(self) -> None:
-        """One throwaway step so the first real request does not pay for first-touch allocation."""
-        cache = self.shard.make_cache()
-        if self.shard.range.is_first:
-            x = mx.zeros((1, 1), dtype=mx.int32)
-        else:
-            x = mx.zeros((1, 1, self.shard.hidden_size), dtype=mx.float32)
-        mx.eval(self.shard.forward(x, cache))
-        del cache
+    def warm_up(self, chunk: int, delay: Callable[[], float]) -> list[StepTime]:
+        """Throwaway steps of one position and of one prefill chunk: first-touch allocation is paid here,
+        and their timings seed the step deadlines before any real step runs."""
+        timings = []
+        for n in sorted({1, max(1, chunk)}):
+            cache = self.shard.make_cache()
+            if self.shard.range.is_first:
+                x = mx.zeros((1, n), dtype=mx.int32)
+            else:
+                x = mx.zeros((1, n, self.shard.hidden_size), dtype=mx.float32)
+            started = time.monotonic()
+            mx.eval(self.shard.forward(x, cache))
+            time.sleep(delay())  # an injected slow stage is slow from warm-up on
+            timings.append(StepTime(n=n, context=n, seconds=time.monotonic() - started))
+            if n == 1:
+                per_stage = sum(c.nbytes for c in cache)
+                self.kv_bytes_per_token = per_stage // max(1, cache[0].keys.shape[2])
+            del cache
         mx.reset_peak_memory()
+        return timings

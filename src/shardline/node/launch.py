@@ -35,10 +35,17 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 def stop_runners(procs: list[subprocess.Popen], grace: float) -> None:
     """Wait up to `grace` seconds for a clean exit, then SIGKILL the groups and reap them."""
-    _, alive = psutil.wait_procs([psutil.Process(p.pid) for p in procs if p.poll() is None], timeout=grace)
+    watched = []
     for p in procs:
-        if p.poll() is None or any(a.pid == p.pid for a in alive):
-            kill_group(p)
+        if p.poll() is None:
+            try:
+                watched.append(psutil.Process(p.pid))
+            except psutil.NoSuchProcess:
+                pass  # exited between the two looks
+    if grace > 0 and watched:
+        psutil.wait_procs(watched, timeout=grace)
+    for p in procs:
+        kill_group(p)  # also reaches anything the runner started in its group
     for p in procs:
         try:
             p.wait(timeout=10)

@@ -1,10 +1,11 @@
-"""Request state held by the front, outside any runner: enough to resume a request on a new instance."""
+"""Request state held by the front, outside any runner: enough to resume a request on a new generation."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,13 +13,10 @@ import mlx.core as mx
 
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
+from shardline.errors import RequestError
 
 if TYPE_CHECKING:
-    from shardline.engine.engine import Engine
-
-
-class RequestError(RuntimeError):
-    """The request could not be completed; the message says why."""
+    from shardline.front.front import Front
 
 
 @dataclass
@@ -42,6 +40,11 @@ class RequestState:
     finish_reason: str | None = None
     error: str | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    # Where it stands with the instance: the generation it was last sent to, the control seq of that send,
+    # and whether that generation's leader admitted it (else it waits in a queue, and counts against it).
+    sent_generation: int | None = None
+    sent_seq: int | None = None
+    admitted: bool = False
 
     def spec(self, resume: str = "exact") -> m.RequestSpec:
         """What to send a leader now: prompt plus everything already streamed, so a resume continues."""
@@ -66,13 +69,19 @@ class RequestState:
         )
 
 
-class RequestHandle:
-    """Iterate to stream tokens; the iteration ends when the request finishes, or raises RequestError."""
+_END = object()
 
-    def __init__(self, engine: Engine, state: RequestState) -> None:
-        self._engine = engine
+
+class RequestHandle:
+    """Iterate to stream tokens; the iteration ends when the request finishes, or raises RequestError.
+
+    Every handle ends: with its tokens and a finish reason, or with an error (the front guarantees it).
+    """
+
+    def __init__(self, front: Front, state: RequestState) -> None:
+        self._front = front
         self.state = state
-        self._queue: queue.Queue[Token | m.Finished | m.RequestFailed] = queue.Queue()
+        self._queue: queue.Queue[Token | object] = queue.Queue()  # at most max_tokens + 1 items
         self._done = threading.Event()
 
     @property
@@ -83,32 +92,44 @@ class RequestHandle:
     def finish_reason(self) -> str | None:
         return self.state.finish_reason
 
-    # Called by the engine's event thread.
-    def _deliver(self, event: m.TokenEvent | m.Finished | m.RequestFailed, tensor: mx.array | None) -> None:
-        if self._done.is_set():
-            return
-        if isinstance(event, m.TokenEvent):
-            if event.index != len(self.state.generated):
-                return  # a replayed or duplicate token after a resume: already streamed
-            self.state.generated.append(event.token)
-            self._queue.put(Token(event.index, event.token, event.logprob, event.top_logprobs, tensor))
-            return
-        if isinstance(event, m.Finished):
-            self.state.finish_reason = event.reason
-        else:
-            self.state.error = event.message
-        self._done.set()
-        self._queue.put(event)
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    # Called by the front, under its lock: never blocks.
+    def _token(self, event: m.TokenEvent, tensor: mx.array | None) -> None:
+        self.state.generated.append(event.token)
+        self._queue.put(Token(event.index, event.token, event.logprob, event.top_logprobs, tensor))
+
+    def _finish(self, reason: str | None = None, error: str | None = None) -> bool:
+        if self._done.is_set():
+            return False
+        self.state.finish_reason = reason
+        self.state.error = error
+        self._done.set()
+        self._queue.put(_END)
+        return True
+
+    def stream(self, timeout: float | None = None) -> Iterator[Token]:
+        """Tokens as they come; raises TimeoutError if the whole answer takes longer than `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            item = self._queue.get()
+            wait = None if deadline is None else deadline - time.monotonic()
+            try:
+                if wait is not None and wait <= 0:
+                    raise queue.Empty
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.request_id} not finished within {timeout}s") from None
             if isinstance(item, Token):
                 yield item
-            elif isinstance(item, m.RequestFailed):
-                raise RequestError(item.message)
+            elif self.state.error is not None:
+                raise RequestError(self.state.error)
             else:
                 return
+
+    def __iter__(self) -> Iterator[Token]:
+        return self.stream()
 
     def tokens(self, timeout: float | None = None) -> list[int]:
         """Wait for the whole answer (with a deadline, if given) and return its token ids."""
@@ -119,8 +140,4 @@ class RequestHandle:
         return list(self.state.generated)
 
     def cancel(self) -> None:
-        self._engine.cancel(self.request_id)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
+        self._front.cancel(self.request_id)

@@ -1,0 +1,205 @@
+"""The instance controller: layer split, generations, bring-up, health judgment, restarts.
+
+A thin shell around controller/state.py: it folds status messages into the state, asks `judge` and
+`after_failure` what to do, and says it in messages: StartRunner / StopGeneration to the node agent,
+Serving / Recovering / InstanceFailed to the fronts. It holds no request and is not on the data path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zenoh
+
+from shardline.compute.shard import split_layers
+from shardline.dataplane import messages as m
+from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox
+from shardline.runner.spec import RunnerSpec
+
+from . import state as st
+
+log = logging.getLogger("shardline.controller")
+TICK_S = 0.1  # how often health is judged when nothing arrives
+
+
+class InstanceController:
+    def __init__(
+        self,
+        session: zenoh.Session,
+        instance: str,
+        config: st.ControllerConfig,
+        layers: int,
+        spec_for: Callable[[int, int, int, int], tuple[RunnerSpec, int]],
+        kv_budget_bytes: int,
+        attn_keys: int,
+    ) -> None:
+        """spec_for(generation, stage, layer_start, layer_end) -> (runner spec, threads)."""
+        self.config = config
+        self.keys = Keys(instance)
+        self.ranges = split_layers(layers, config.stages)
+        self.spec_for = spec_for
+        self.kv_budget_bytes = kv_budget_bytes
+        self.state = st.InstanceState(stages=config.stages)
+        st.set_attention_scale(self.state, attn_keys)
+        self._session = session
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._inbox = Inbox(session, name="controller")
+        self._inbox.subscribe(self.keys.status_any, m.STATUS, "status")
+        self._inbox.subscribe(self.keys.reports, m.STATUS, "reports")
+        self._agent = Outbox(session, self.keys.agent)
+        self._updates = Outbox(session, self.keys.updates)
+        self._outgoing: list[tuple[Outbox, Any]] = []  # decided under the lock, sent after it
+        self._thread = threading.Thread(target=self._run, daemon=True, name="instance-controller")
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self, wait_for: float) -> None:
+        self._agent.wait_matched(wait_for)
+        self._updates.wait_matched(wait_for)
+        self._thread.start()
+
+    def wait_settled(self, timeout: float) -> st.Phase:
+        """Wait until the instance serves, has failed or is stopped (bring-up retries included)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state.phase in ("serving", "failed", "stopped"), timeout)
+            return self.state.phase
+
+    def stop(self, grace_s: float) -> None:
+        """Stop judging, ask the leader to stop the ring, then have the agent stop every runner."""
+        with self._cond:
+            self._stopping = True
+            serving = self.state.phase == "serving"
+            generation = self.state.generation
+            self.state.phase = "stopped"
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        if serving:
+            control = Outbox(self._session, Keys(self.keys.instance, generation).control, generation)
+            try:
+                control.send(m.Shutdown())
+            except Exception:
+                pass
+            control.close()
+        try:
+            self._agent.send(m.StopGeneration(instance=self.keys.instance, keep=-1, grace_s=grace_s))
+        except Exception:
+            pass
+        self._inbox.close()
+
+    # ---- loop --------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with self._cond:
+            self._launch(time.monotonic())
+        self._flush()
+        while True:
+            try:
+                first = self._inbox.get(timeout=TICK_S)
+            except DeadlineExceeded:
+                first = None
+            with self._cond:
+                if self._stopping:
+                    return
+                # Everything that arrived is folded in before judging: a slow loop never mistakes its own
+                # lateness for a silent stage (arrival times are stamped on receipt).
+                envs = [first] if first is not None else []
+                while (more := self._inbox.get_nowait()) is not None:
+                    envs.append(more)
+                for env in envs:
+                    st.apply(self.state, env.message, env.generation, env.received_at)
+                self._cond.notify_all()
+                try:
+                    self._act(time.monotonic())
+                except Exception as exc:  # the controller must never die silently: requests would wait
+                    log.exception("controller step failed")
+                    self._give_up(f"controller failed: {type(exc).__name__}: {exc}")
+                done = self.state.phase == "failed"
+            self._flush()
+            if done:
+                return
+
+    def _act(self, now: float) -> None:
+        s = self.state
+        if s.phase == "backoff":
+            if now >= s.retry_at:
+                self._launch(now)
+            return
+        why = st.judge(s, self.config, now)
+        if why is not None:
+            self._on_failure(why, now)
+        elif st.all_ready(s):
+            s.phase = "serving"
+            if s.failures and s.failures[-1].recovered_at is None:
+                s.failures[-1].recovered_at = now
+            per_token = sum(v.ready.kv_bytes_per_token for v in s.views if v.ready is not None)
+            log.info("instance %s generation %d serving", self.keys.instance, s.generation)
+            self._say(
+                m.Serving(
+                    generation=s.generation,
+                    kv_bytes_per_token=per_token,
+                    kv_budget_bytes=self.kv_budget_bytes,
+                )
+            )
+
+    def _launch(self, now: float) -> None:
+        st.new_generation(self.state, now)
+        gen = self.state.generation
+        for stage, lr in enumerate(self.ranges):
+            spec, threads = self.spec_for(gen, stage, lr.start, lr.end)
+            self._command(m.StartRunner(spec=spec, threads=threads))
+
+    def _on_failure(self, why: str, now: float) -> None:
+        s = self.state
+        log.error("instance %s generation %d: %s", self.keys.instance, s.generation, why)
+        pids = [v.pid for v in s.views if v.pid is not None]
+        s.failures.append(st.Failure(why, s.generation, now, time.time(), pids))
+        self._command(m.StopGeneration(instance=self.keys.instance, keep=-1))
+        decision = st.after_failure(s, self.config, why, now)
+        if isinstance(decision, st.GiveUp):
+            self._give_up(decision.why)
+            return
+        s.phase = "backoff"
+        s.retry_at = now + decision.backoff_s
+        self._say(m.Recovering(generation=s.generation, why=why))
+
+    def _give_up(self, why: str) -> None:
+        log.error("instance %s failed: %s", self.keys.instance, why)
+        self.state.phase = "failed"
+        self.state.failure = why
+        self._command(m.StopGeneration(instance=self.keys.instance, keep=-1))
+        self._say(m.InstanceFailed(why=why))
+        self._cond.notify_all()
+
+    def _command(self, message: Any) -> None:
+        self._outgoing.append((self._agent, message))
+
+    def _say(self, message: Any) -> None:
+        self._outgoing.append((self._updates, message))
+
+    def _flush(self) -> None:
+        """Send what was decided, outside the lock: judging never waits on the network."""
+        with self._cond:
+            out, self._outgoing = self._outgoing, []
+        for outbox, message in out:
+            try:
+                outbox.send(message)
+            except Exception:
+                log.exception("could not send %s on %s", type(message).__name__, outbox.key)
+
+    # ---- views for callers -------------------------------------------------------------------------------
+
+    def fresh_heartbeats(self, timeout: float) -> list[m.Heartbeat] | None:
+        """One heartbeat from every stage received after this call (runner counters are then current)."""
+        since = time.monotonic()
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: all(v.heartbeat is not None and v.heartbeat_at > since for v in self.state.views),
+                timeout,
+            )
+            return [v.heartbeat for v in self.state.views] if ok else None  # type: ignore[misc]

@@ -1,0 +1,212 @@
+"""The instance controller's state, folded from what it hears, and its decisions as pure functions.
+
+`apply` folds one message into the state; `judge` says why the current generation can no longer be
+trusted; `after_failure` decides between another generation (after a backoff) and giving up. The shell in
+controller.py only turns these into messages.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.dataplane import messages as m
+from shardline.runner.deadline import DeadlinePolicy, Speed
+from shardline.supervisor.diagnostics import Diagnostic
+
+Phase = Literal["idle", "starting", "serving", "backoff", "failed", "stopped"]
+
+
+class ControllerConfig(BaseModel):
+    """What the controller needs to judge and rebuild an instance (a slice of EngineConfig)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stages: int = Field(2, ge=1)
+    load_timeout: float = Field(180.0, gt=0)
+    heartbeat_timeout: float = Field(4.0, gt=0)
+    step_deadline_floor: float = Field(2.0, gt=0)
+    step_deadline_ceiling: float = Field(60.0, gt=0)
+    deadline_slack: float = Field(10.0, gt=0)
+    max_restarts: int = Field(3, ge=0)
+    restart_window_s: float = Field(120.0, gt=0)
+    backoff_s: float = Field(0.2, ge=0)
+    backoff_max_s: float = Field(5.0, ge=0)
+
+    @property
+    def policy(self) -> DeadlinePolicy:
+        return DeadlinePolicy(self.step_deadline_floor, self.step_deadline_ceiling, self.deadline_slack)
+
+
+@dataclass
+class StageView:
+    """One runner of the current generation, as last heard (times are arrival times, monotonic)."""
+
+    pid: int | None = None
+    alive: bool = False  # has said anything: silence before that is covered by the load timeout
+    last_heard: float = 0.0
+    heartbeat: m.Heartbeat | None = None
+    heartbeat_at: float = 0.0
+    ready: m.Ready | None = None
+    failed: m.RunnerFailed | None = None
+    fatal: Diagnostic | None = None
+    exited: m.RunnerExited | None = None
+
+
+@dataclass
+class Failure:
+    """One failure and what it cost: when it was detected and when the rebuilt instance was serving again."""
+
+    why: str
+    generation: int
+    detected_at: float  # monotonic
+    detected_wall: float  # time.time(), comparable with timestamps other processes log
+    pids: list[int]  # the runners of the failed generation, all killed
+    recovered_at: float | None = None
+    requests_resumed: int = 0
+
+
+@dataclass
+class InstanceState:
+    stages: int
+    generation: int = -1
+    phase: Phase = "idle"
+    started_at: float = 0.0  # bring-up of the current generation
+    retry_at: float = 0.0
+    views: list[StageView] = field(default_factory=list)
+    speeds: list[Speed] = field(default_factory=list)  # per stage, carried across generations
+    failures: list[Failure] = field(default_factory=list)
+    fault: str | None = None  # a lost message reported by a front
+    failure: str | None = None  # why the instance gave up
+    dropped: int = 0  # frames of other generations, unknown stages
+
+    def __post_init__(self) -> None:
+        if not self.speeds:
+            self.speeds = [Speed() for _ in range(self.stages)]
+
+
+def new_generation(state: InstanceState, now: float) -> None:
+    state.generation += 1
+    state.phase = "starting"
+    state.started_at = now
+    state.fault = None
+    state.views = [StageView() for _ in range(state.stages)]
+
+
+def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -> None:
+    """Fold one status message in. Messages of another generation or stage are counted and dropped."""
+    gen = getattr(msg, "generation", generation)
+    stage = getattr(msg, "stage", None)
+    if isinstance(msg, m.Resubmitted):
+        if gen == state.generation and state.failures:
+            state.failures[-1].requests_resumed = msg.requests
+        return
+    if gen != state.generation or (stage is not None and not 0 <= stage < len(state.views)):
+        state.dropped += 1
+        return
+    if isinstance(msg, m.GenerationFault):
+        state.fault = state.fault or msg.why
+        return
+    assert stage is not None
+    view = state.views[stage]
+    if isinstance(msg, m.RunnerStarted):
+        view.pid = msg.pid
+        return
+    if isinstance(msg, m.RunnerExited):
+        view.exited = msg
+        return
+    if isinstance(msg, m.RunnerDiagnostic):
+        view.fatal = view.fatal or msg.diagnostic
+        return
+    # From the runner itself: it is alive, and this is when we last heard it.
+    view.alive = True
+    view.last_heard = max(view.last_heard, received_at)
+    speed = state.speeds[stage]
+    if isinstance(msg, m.Loading):
+        view.pid = msg.pid
+    elif isinstance(msg, m.Ready):
+        view.ready = msg
+        for t in msg.warmup:
+            speed.observe(t.n, t.context, t.seconds)
+    elif isinstance(msg, m.Heartbeat):
+        view.heartbeat = msg
+        view.heartbeat_at = received_at
+        if msg.last_step is not None:
+            speed.observe(msg.last_step.n, msg.last_step.context, msg.last_step.seconds)
+    elif isinstance(msg, m.RunnerFailed):
+        view.failed = view.failed or msg
+
+
+def set_attention_scale(state: InstanceState, attn_keys: int) -> None:
+    for s in state.speeds:
+        s.attn_keys = attn_keys
+
+
+def _exit_text(e: m.RunnerExited) -> str:
+    if e.signal is not None:
+        try:
+            how = f"killed by {signal.Signals(e.signal).name}"
+        except ValueError:
+            how = f"killed by signal {e.signal}"
+    else:
+        how = f"exited with code {e.code}"
+    return f"{how}: {' | '.join(e.log_tail) or '(no output)'}"
+
+
+def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None:
+    """Why this generation can no longer be trusted, naming the stage; None while it is healthy."""
+    if state.phase not in ("starting", "serving"):
+        return None
+    for stage, v in enumerate(state.views):
+        if v.failed is not None:
+            return f"stage {stage} failed ({v.failed.reason}): {v.failed.message}"
+        if v.fatal is not None:
+            return f"stage {stage} reported {v.fatal.kind}: {v.fatal.line}"
+        if v.exited is not None:
+            return f"stage {stage} {_exit_text(v.exited)}"
+        if v.alive and now - v.last_heard > cfg.heartbeat_timeout:
+            return f"stage {stage} stalled: no heartbeat for {now - v.last_heard:.1f}s"
+        hb = v.heartbeat
+        if hb is not None and hb.busy:
+            running = hb.busy_for_s + (now - v.heartbeat_at)
+            deadline = cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context)
+            if running > deadline:
+                return (
+                    f"stage {stage} stalled: one step of {hb.busy_n} positions running for {running:.1f}s "
+                    f"(deadline {deadline:.1f}s)"
+                )
+    if state.fault is not None:
+        return f"lost message: {state.fault}"
+    if state.phase == "starting" and now - state.started_at > cfg.load_timeout:
+        waiting = [s for s, v in enumerate(state.views) if v.ready is None]
+        return f"stages {waiting} not ready within {cfg.load_timeout:.0f}s"
+    return None
+
+
+def all_ready(state: InstanceState) -> bool:
+    return state.phase == "starting" and all(v.ready is not None for v in state.views)
+
+
+def recent_failures(failures: list[Failure], now: float, window_s: float) -> list[Failure]:
+    return [f for f in failures if now - f.detected_at <= window_s]
+
+
+@dataclass(frozen=True)
+class Retry:
+    backoff_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    why: str
+
+
+def after_failure(state: InstanceState, cfg: ControllerConfig, why: str, now: float) -> Retry | GiveUp:
+    """Another generation after an exponential backoff, until the restart budget is spent."""
+    recent = recent_failures(state.failures, now, cfg.restart_window_s)
+    if len(recent) > cfg.max_restarts:
+        return GiveUp(f"{why} (gave up after {len(recent)} failures in {cfg.restart_window_s:.0f}s)")
+    return Retry(min(cfg.backoff_max_s, cfg.backoff_s * 2 ** max(0, len(recent) - 1)))

@@ -1,0 +1,336 @@
+"""The front: one API entrance's request table. Validation, submit, cancel, resubmit on a new generation.
+
+Request state lives here, never only inside a runner. The front hears the controller's announcements
+(Serving / Recovering / InstanceFailed) and the leader's events; it sends Submit / Cancel to the serving
+generation's leader. It checks what the leader tells it: a gap in token indices, a finish with fewer tokens
+than the client has, or a request the leader no longer holds is a lost message, reported to the controller
+as a fault of that generation (which rebuilds it); never a silently short answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zenoh
+
+from shardline.compute.kv import reservation_bytes
+from shardline.compute.sampling import SamplingParams
+from shardline.dataplane import messages as m
+from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Keys, Outbox
+from shardline.errors import ContextLengthError, EngineError, OverloadError
+from shardline.front.request import RequestHandle, RequestState
+
+log = logging.getLogger("shardline.front")
+MAX_REQUEST_ID = 128
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    context_length: int
+
+
+def check_request_id(request_id: str) -> None:
+    if not request_id or len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
+        raise ValueError(f"request id must be 1..{MAX_REQUEST_ID} printable characters")
+
+
+class Front:
+    def __init__(
+        self,
+        session: zenoh.Session,
+        instance: str,
+        limits: ModelLimits,
+        *,
+        max_queue: int = 256,
+        resume: str = "exact",
+        match_timeout: float = 10.0,
+        name: str | None = None,
+    ) -> None:
+        self.name = name or f"front-{uuid.uuid4().hex[:8]}"
+        self.limits = limits
+        self.max_queue = max_queue
+        self.resume = resume
+        self.match_timeout = match_timeout
+        self.keys = Keys(instance)
+        self._session = session
+        self._lock = threading.Lock()  # the request table and generation; never held while sending
+        self._send_lock = threading.Lock()  # control seq and put order agree
+        self._seq = 0
+        self.requests: dict[str, RequestHandle] = {}  # unfinished, in arrival order
+        self.generation: int | None = None  # the generation serving now, if any
+        self._control: Outbox | None = None
+        self.kv_bytes_per_token = 0
+        self.kv_budget_bytes = 0
+        self.failure: str | None = None
+        self.closed = False
+        self.serving = threading.Event()
+        self._faulted: set[int] = set()
+        self._inbox = Inbox(session, name=self.name)
+        self._inbox.subscribe(self.keys.events_any, m.EVENTS, "events")
+        self._inbox.subscribe(self.keys.updates, m.INSTANCE, "updates")
+        self._reports = Outbox(session, self.keys.reports)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
+
+    def start(self) -> Front:
+        self._thread.start()
+        return self
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: list[int],
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        stop_tokens: list[int] | None = None,
+        want_logits: bool = False,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        vocab, context = self.limits.vocab_size, self.limits.context_length
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if len(prompt) >= context:
+            raise ContextLengthError(
+                f"prompt has {len(prompt)} tokens; the model's context is {context} tokens"
+            )
+        if request_id is not None:
+            check_request_id(request_id)
+        max_tokens = min(max_tokens, context - len(prompt))
+        sampling = sampling or SamplingParams()
+        if sampling.temperature > 0 and "seed" not in sampling.model_fields_set:
+            # A fixed seed per request makes a resumed request continue exactly where it was.
+            sampling = sampling.model_copy(update={"seed": int.from_bytes(os.urandom(7), "little")})
+        state = RequestState(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=list(prompt),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_tokens=list(stop_tokens or []),
+            want_logits=want_logits,
+        )
+        handle = RequestHandle(self, state)
+        with self._lock:
+            if self.closed:
+                raise EngineError("engine is shut down")
+            if self.failure is not None:
+                raise EngineError(f"instance failed: {self.failure}")
+            if state.request_id in self.requests:
+                raise ValueError(f"request id {state.request_id!r} is already running")
+            per_token, budget = self.kv_bytes_per_token, self.kv_budget_bytes
+            need = reservation_bytes(len(prompt), max_tokens, per_token)
+            if budget and per_token and need > budget:
+                raise ValueError(f"request needs {need} bytes of KV cache; the instance's budget is {budget}")
+            waiting = sum(1 for h in self.requests.values() if not h.state.admitted)
+            if waiting >= self.max_queue:
+                raise OverloadError(f"{waiting} requests are waiting already (limit {self.max_queue})")
+            self.requests[state.request_id] = handle
+            # While no generation serves, the request waits here; the next Serving sends it.
+            target = self._claim([handle]) if self.generation is not None else None
+        if target is not None:
+            self._send_submits(*target)
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Ends the request now, as cancelled; it is never resumed, and the stages release its KV."""
+        with self._lock:
+            handle = self.requests.pop(request_id, None)
+            if handle is None or not handle._finish("cancelled"):
+                return
+            sent_here = handle.state.sent_generation == self.generation and self.generation is not None
+            control = self._control if sent_here else None
+        if control is not None:
+            self._send(control, lambda seq: m.Cancel(front=self.name, seq=seq, request_id=request_id))
+
+    def close(self, why: str = "engine shut down") -> None:
+        with self._lock:
+            self.closed = True
+            self._fail_all(why)
+            control, self._control = self._control, None
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if control is not None:
+            control.close()
+        self._inbox.close()
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(1 for h in self.requests.values() if h.state.admitted)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(1 for h in self.requests.values() if not h.state.admitted)
+
+    # ---- under the lock ------------------------------------------------------------------------------------
+
+    def _claim(self, handles: list[RequestHandle]) -> tuple[Outbox, int, list[RequestHandle]] | None:
+        """Mark requests as sent to the serving generation (once each); the caller sends them unlocked."""
+        assert self.generation is not None and self._control is not None
+        mine = [h for h in handles if not h.done and h.state.sent_generation != self.generation]
+        for h in mine:
+            h.state.sent_generation = self.generation
+            h.state.sent_seq = None
+            h.state.admitted = False
+        return (self._control, self.generation, mine) if mine else None
+
+    def _fail_all(self, why: str) -> None:
+        for h in list(self.requests.values()):
+            h._finish(error=why)
+        self.requests.clear()
+
+    # ---- sending (never under the state lock) ------------------------------------------------------------
+
+    def _send(self, control: Outbox, make: Callable[[int], Any]) -> int | None:
+        with self._send_lock:
+            self._seq += 1
+            try:
+                control.send(make(self._seq))
+            except Exception as exc:  # a generation that just went away: its successor gets a resend
+                log.debug("send on %s failed: %s", control.key, exc)
+                return None
+            return self._seq
+
+    def _send_submits(self, control: Outbox, generation: int, handles: list[RequestHandle]) -> None:
+        for h in handles:
+            spec = h.state.spec(self.resume)
+            with self._send_lock:
+                self._seq += 1
+                seq = self._seq
+                h.state.sent_seq = seq  # before the put: a beat covering seq must find it set
+                try:
+                    control.send(m.Submit(front=self.name, seq=seq, request=spec))
+                except Exception as exc:
+                    log.debug("submit on %s failed: %s", control.key, exc)
+
+    def _report_fault(self, generation: int, why: str) -> None:
+        log.error("generation %d lost a message: %s", generation, why)
+        try:
+            self._reports.send(m.GenerationFault(generation=generation, why=why))
+        except Exception:
+            log.exception("could not report a fault of generation %d", generation)
+
+    # ---- what the instance says ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.closed:
+            try:
+                env = self._inbox.get(timeout=0.2)
+            except DeadlineExceeded:
+                continue  # idle: the tick only notices close()
+            try:
+                if env.source == "updates":
+                    self._on_update(env.message)
+                else:
+                    self._on_event(env)
+            except Exception:  # one bad event must not end the front: its requests would wait forever
+                log.exception("front failed on %s", type(env.message).__name__)
+
+    def _on_update(self, msg: Any) -> None:
+        if isinstance(msg, m.Serving):
+            control = Outbox(self._session, Keys(self.keys.instance, msg.generation).control, msg.generation)
+            try:
+                control.wait_matched(self.match_timeout)
+            except DeadlineExceeded as exc:
+                control.close()
+                self._report_fault(msg.generation, str(exc))
+                return
+            with self._lock:
+                if self.closed or self.failure is not None:
+                    control.close()
+                    return
+                old, self._control = self._control, control
+                self.generation = msg.generation
+                self.kv_bytes_per_token = msg.kv_bytes_per_token
+                self.kv_budget_bytes = msg.kv_budget_bytes
+                for h in list(self.requests.values()):
+                    if len(h.state.generated) >= h.state.max_tokens:
+                        # Every token arrived; only the finish was lost with the old generation.
+                        h._finish("length")
+                        self.requests.pop(h.request_id, None)
+                target = self._claim(list(self.requests.values()))
+                resent = len(target[2]) if target else 0
+            if old is not None:
+                old.close()
+            if target is not None:
+                self._send_submits(*target)
+            try:
+                self._reports.send(m.Resubmitted(generation=msg.generation, requests=resent))
+            except Exception:
+                pass
+            self.serving.set()
+        elif isinstance(msg, m.Recovering):
+            with self._lock:
+                if self.generation is not None and self.generation > msg.generation:
+                    return
+                self.generation = None
+                old, self._control = self._control, None
+                for h in self.requests.values():
+                    h.state.admitted = False  # waits again until the next generation admits it
+            self.serving.clear()
+            if old is not None:
+                old.close()
+        elif isinstance(msg, m.InstanceFailed):
+            with self._lock:
+                self.failure = msg.why
+                self.generation = None
+                self._fail_all(f"instance failed: {msg.why}")
+            self.serving.set()  # wakes whoever waits for the first generation: it will not come
+
+    def _on_event(self, env: Envelope) -> None:
+        msg = env.message
+        fault: str | None = None
+        with self._lock:
+            generation = self.generation
+            if generation is None or env.generation != generation:
+                return  # an old generation's late event: its requests are resent already
+            if isinstance(msg, m.LeaderBeat):
+                fault = self._check_beat(msg)
+            else:
+                handle = self.requests.get(msg.request_id)
+                if handle is not None:
+                    fault = self._apply(handle, msg, env)
+        if fault is not None and generation not in self._faulted:
+            self._faulted.add(generation)
+            self._report_fault(generation, fault)
+
+    def _apply(self, handle: RequestHandle, msg: Any, env: Envelope) -> str | None:
+        state = handle.state
+        if isinstance(msg, m.TokenEvent):
+            have = len(state.generated)
+            if msg.index < have:
+                return None  # a replayed token after a resume: the client has it
+            if msg.index > have:
+                return f"token {msg.index} of {state.request_id} arrived while the client holds {have}"
+            handle._token(msg, env.tensor)
+        elif isinstance(msg, m.Finished):
+            if msg.reason != "cancelled" and msg.tokens > len(state.generated):
+                have = len(state.generated)
+                return f"{state.request_id} finished with {msg.tokens} tokens, the client holds {have}"
+            handle._finish(msg.reason)
+            self.requests.pop(state.request_id, None)
+        elif isinstance(msg, m.RequestFailed):
+            handle._finish(error=msg.message)
+            self.requests.pop(state.request_id, None)
+        elif isinstance(msg, m.Admitted):
+            state.admitted = True
+        return None
+
+    def _check_beat(self, beat: m.LeaderBeat) -> str | None:
+        seen = beat.seen.get(self.name, -1)
+        held = set(beat.requests)
+        for h in self.requests.values():
+            s = h.state
+            sent = s.sent_generation == self.generation and s.sent_seq is not None and s.sent_seq <= seen
+            if sent and s.request_id not in held:
+                return f"the leader no longer holds {s.request_id}, and its end never arrived"
+        return None

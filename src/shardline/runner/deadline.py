@@ -1,0 +1,55 @@
+"""How long a step may take: a function of the step's work and the stage's measured speed.
+
+One rule serves the controller (judging heartbeats), the runner's own watchdog and the leader's wait for
+results, so the three never disagree about what "too slow" means. Speed is the slowest seen, seeded by
+warm-up: a deadline errs long, and slow-but-progressing is never called dead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMALL_STEP = 4  # steps this small cost what reading the weights costs, whatever their size
+
+
+def work(n: int, context: int, attn_keys: int) -> float:
+    """Work units of n positions attending to `context` keys: one per position, plus attention's share.
+
+    attn_keys is the context at which attention costs as much as the rest of a layer (about 6x the hidden
+    size: a layer's matmuls are ~24 h^2 flops a token, attention 4 h flops a key).
+    """
+    return n * (1.0 + context / max(1, attn_keys))
+
+
+@dataclass
+class Speed:
+    attn_keys: int = 4096
+    base_s: float = 0.0  # slowest small step: fixed cost of a step (weights read, framework overhead)
+    per_work_s: float = 0.0  # slowest cost per work unit of larger steps, beyond base_s
+
+    def observe(self, n: int, context: int, seconds: float) -> None:
+        if n <= SMALL_STEP:
+            self.base_s = max(self.base_s, seconds)
+        else:
+            extra = max(0.0, seconds - self.base_s)
+            self.per_work_s = max(self.per_work_s, extra / work(n, context, self.attn_keys))
+
+    def estimate(self, n: int, context: int) -> float:
+        return self.base_s + self.per_work_s * work(n, context, self.attn_keys)
+
+    @property
+    def known(self) -> bool:
+        return self.base_s > 0 or self.per_work_s > 0
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    floor: float = 2.0
+    ceiling: float = 60.0
+    slack: float = 10.0
+
+    def clamp(self, estimate_s: float) -> float:
+        return min(self.ceiling, max(self.floor, self.slack * estimate_s))
+
+    def step(self, speed: Speed, n: int, context: int) -> float:
+        return self.clamp(speed.estimate(n, context))

@@ -1,0 +1,285 @@
+"""Stage 0: owns the schedule and admission. Every other stage executes what it sends, in order."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from shardline.compute.kv import reservation_bytes
+from shardline.compute.sampling import SamplingParams
+from shardline.dataplane import messages as m
+from shardline.dataplane.frame import tensor_meta
+from shardline.dataplane.transport import DeadlineExceeded
+from shardline.runner import schedule
+from shardline.runner.deadline import Speed
+from shardline.runner.worker import ProtocolError
+
+if TYPE_CHECKING:
+    from shardline.runner.process import Runner
+
+WARMUP_ID = "\x00warmup"  # no front can send this id: the front refuses control characters
+
+
+@dataclass
+class InFlight:
+    request_id: str
+    n: int
+    context: int
+
+
+class Leader:
+    def __init__(self, runner: Runner) -> None:
+        self.r = runner
+        self.spec = runner.spec
+        assert runner.worker is not None
+        self.worker = runner.worker
+        self.requests: dict[str, schedule.LeaderRequest] = {}  # admitted
+        self.waiting: deque[m.RequestSpec] = deque()  # KV does not fit yet: strict FIFO
+        self.reserved: dict[str, int] = {}
+        self.in_flight: OrderedDict[int, InFlight] = OrderedDict()  # step seq -> step, oldest first
+        self.seen: dict[str, int] = {}  # front -> last control seq
+        self.stage_speed = [Speed(attn_keys=runner.speed.attn_keys) for _ in range(self.spec.stages)]
+        own_layers = self.spec.layer_end - self.spec.layer_start
+        self.kv_bytes_per_token = self.worker.kv_bytes_per_token * self.spec.layer_total // own_layers
+        self.seq = 0
+        self.tick = 0
+        self.arrivals = 0
+        self.last_progress = 0.0  # when a result last arrived, or the ring went from idle to busy
+
+    # ---- warm-up and deadlines ------------------------------------------------------------------------
+
+    def warm_ring(self) -> None:
+        """One decode-sized and one chunk-sized step around the whole ring before Ready."""
+        deadline = time.monotonic() + self.spec.load_timeout
+        chunk = min(self.spec.prefill_step, 512)
+        sizes = sorted({1, chunk})
+        total = max(sizes)
+        prompt = [0] * total
+        for pos, n in ((0, sizes[0]), *(((sizes[0], total - sizes[0]),) if len(sizes) > 1 else ())):
+            self.seq += 1
+            step = m.Step(
+                seq=self.seq,
+                request_id=WARMUP_ID,
+                pos=pos,
+                n=n,
+                sample=True,
+                sampling=SamplingParams(),
+                reserve=total + 1 if pos == 0 else 0,
+            )
+            out, tensor = self.r.compute(step, mx.array([prompt[pos : pos + n]], dtype=mx.int32))
+            if self.r.downstream is None:
+                self._observe(step, out.trace)
+                continue
+            self.r.downstream.send(out, tensor)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(
+                        f"warm-up step did not come around the ring within {self.spec.load_timeout:.0f}s"
+                    )
+                env = self.r.inbox.get(timeout=left)
+                msg = env.message
+                if isinstance(msg, m.StepResult) and msg.seq == self.seq:
+                    self._observe(step, msg.trace)
+                    break
+                self.r.inbox.drop(f"{msg.kind} during ring warm-up")
+        self.worker.release(WARMUP_ID)
+        if self.r.downstream is not None:
+            self.r.downstream.send(m.Release(request_id=WARMUP_ID))
+        mx.reset_peak_memory()
+
+    def _observe(self, step: m.Step | InFlight, trace: list[float]) -> None:
+        if len(trace) != self.spec.stages:
+            return
+        context = step.context if isinstance(step, InFlight) else step.pos + step.n
+        for speed, seconds in zip(self.stage_speed, trace, strict=True):
+            speed.observe(step.n, context, seconds)
+
+    def result_timeout(self) -> float:
+        """How long the next result may take: every in-flight step through every stage, with slack.
+
+        A backstop for lost messages, later than a stalled stage's own watchdog so that names it first."""
+        estimate = sum(s.estimate(f.n, f.context) for f in self.in_flight.values() for s in self.stage_speed)
+        factor = max(3.0, self.spec.watchdog_factor + 1.0)
+        return factor * self.r.policy.clamp(estimate)
+
+    # ---- loop -------------------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            timeout = None
+            if self.in_flight:
+                allowed = self.result_timeout()
+                timeout = max(0.0, self.last_progress + allowed - time.monotonic())
+            try:
+                env = self.r.inbox.get(timeout=timeout)
+            except DeadlineExceeded:
+                oldest = next(iter(self.in_flight))
+                raise DeadlineExceeded(
+                    f"result of step {oldest} not back within {allowed:.1f}s "
+                    f"({len(self.in_flight)} steps in flight)"
+                ) from None
+            self.handle(env)
+            self.drain()
+            self.act()
+
+    def drain(self) -> None:
+        # Take in what already arrived before deciding, so decisions see every result and cancel.
+        while (more := self.r.inbox.get_nowait()) is not None:
+            self.handle(more)
+
+    def act(self) -> None:
+        window = self.spec.in_flight_window
+        while True:
+            action = schedule.plan(
+                list(self.requests.values()), len(self.in_flight), window, self.spec.prefill_step
+            )
+            if action is None:
+                return
+            if isinstance(action, schedule.ReleaseRequest):
+                self.release(action.request_id)
+            else:
+                self.feed(action)
+            self.drain()
+
+    def handle(self, env: Any) -> None:
+        msg = env.message
+        if isinstance(msg, m.Submit | m.Cancel):
+            self.seen[msg.front] = max(self.seen.get(msg.front, -1), msg.seq)
+        if isinstance(msg, m.Submit):
+            self.on_submit(msg.request)
+        elif isinstance(msg, m.Cancel):
+            self.on_cancel(msg.request_id)
+        elif isinstance(msg, m.Shutdown):
+            if self.r.downstream is not None:
+                self.r.downstream.send(m.Stop())
+            from shardline.runner.process import StopRunner
+
+            raise StopRunner
+        elif isinstance(msg, m.StepResult):
+            self.on_result(msg, env)
+        else:
+            self.r.inbox.drop(f"leader does not take {msg.kind} messages")
+
+    def on_submit(self, spec: m.RequestSpec) -> None:
+        rid = spec.request_id
+        if rid in self.requests or any(w.request_id == rid for w in self.waiting) or rid == WARMUP_ID:
+            self.r.inbox.drop(f"duplicate submit of {rid}")  # a front's resend: the first one stands
+            return
+        need = self.reservation(spec)
+        budget = self.spec.kv_budget_bytes
+        if budget and need > budget:
+            self.emit(m.RequestFailed(request_id=rid, message=f"needs {need} bytes of KV, budget {budget}"))
+        elif len(self.waiting) >= self.spec.max_waiting:
+            self.emit(m.RequestFailed(request_id=rid, message="leader queue full"))
+        else:
+            self.waiting.append(spec)
+            self.admit()
+
+    def reservation(self, spec: m.RequestSpec) -> int:
+        return reservation_bytes(len(spec.prompt), spec.max_tokens, self.kv_bytes_per_token)
+
+    def admit(self) -> None:
+        needs = [self.reservation(s) for s in self.waiting]
+        for _ in range(schedule.admit_count(needs, sum(self.reserved.values()), self.spec.kv_budget_bytes)):
+            spec = self.waiting.popleft()
+            self.reserved[spec.request_id] = self.reservation(spec)
+            self.requests[spec.request_id] = schedule.LeaderRequest(spec=spec, arrival=self.arrivals)
+            self.arrivals += 1
+            self.emit(m.Admitted(request_id=spec.request_id))
+
+    def on_cancel(self, request_id: str) -> None:
+        for spec in self.waiting:
+            if spec.request_id == request_id:
+                self.waiting.remove(spec)
+                self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=spec.index_base))
+                return
+        req = self.requests.get(request_id)
+        if req is not None and not req.done:
+            req.done = True  # released once its steps in flight come back
+            tokens = req.spec.index_base + req.generated
+            self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=tokens))
+
+    def feed(self, step: schedule.FeedStep) -> None:
+        req = self.requests[step.request_id]
+        self.tick += 1
+        schedule.apply_step_sent(req, step, self.tick)
+        self.seq += 1
+        sp = req.spec.sampling
+        context = req.known[-sp.repetition_context :] if sp.repetition_penalty != 1.0 else []
+        msg = m.Step(
+            seq=self.seq,
+            request_id=step.request_id,
+            pos=step.pos,
+            n=step.n,
+            sample=step.sample,
+            sampling=sp if step.sample else None,
+            context=context if step.sample else [],
+            want_logits=req.spec.want_logits and step.sample,
+            reserve=len(req.known) + 1 if step.pos == 0 else 0,
+        )
+        tokens = mx.array([req.known[step.pos : step.pos + step.n]], dtype=mx.int32)
+        if not self.in_flight:
+            self.last_progress = time.monotonic()
+        self.in_flight[self.seq] = InFlight(step.request_id, step.n, step.pos + step.n)
+        out, tensor = self.r.compute(msg, tokens)
+        if self.r.downstream is None:  # a single stage is its own last stage
+            self.on_result(out, None, tensor)
+        else:
+            self.r.downstream.send(out, tensor)
+
+    def on_result(self, res: m.StepResult, env: Any, logits: Any = None) -> None:
+        f = self.in_flight.get(res.seq)
+        if f is None or f.request_id != res.request_id:
+            self.r.inbox.drop(f"result for step {res.seq} of {res.request_id}, which is not in flight")
+            return
+        lost = [s for s in self.in_flight if s < res.seq]
+        if lost:  # the ring is in order: an earlier result that never came is a lost message
+            raise ProtocolError(f"results of steps {lost} never arrived (got {res.seq})")
+        if env is not None:
+            logits = env.tensor
+        del self.in_flight[res.seq]
+        self.last_progress = time.monotonic()
+        self._observe(f, res.trace)
+        req = self.requests[f.request_id]
+        req.in_flight -= 1
+        if res.token is None or req.done:
+            return
+        reason = schedule.apply_token(req, res.token)
+        if reason != "stop" and not self.r.faults.take_drop("drop_token", "decode", self.worker.steps):
+            self.emit(
+                m.TokenEvent(
+                    request_id=f.request_id,
+                    index=req.spec.index_base + req.generated - 1,
+                    token=res.token,
+                    logprob=res.logprob or 0.0,
+                    top_logprobs=res.top_logprobs,
+                    tensor=tensor_meta(logits) if logits is not None else None,
+                ),
+                logits,
+            )
+        if reason is not None:
+            tokens = req.spec.index_base + req.generated
+            self.emit(m.Finished(request_id=f.request_id, reason=reason, tokens=tokens))
+
+    def release(self, request_id: str) -> None:
+        req = self.requests.pop(request_id)
+        req.released = True
+        self.reserved.pop(request_id, None)
+        self.worker.release(request_id)
+        if self.r.downstream is not None:
+            self.r.downstream.send(m.Release(request_id=request_id))
+        self.admit()
+
+    def beat(self) -> None:
+        """From the heartbeat thread: snapshots of dicts and deques are atomic under the GIL."""
+        held = [*list(self.requests), *(s.request_id for s in list(self.waiting))]
+        self.emit(m.LeaderBeat(seen=dict(self.seen), requests=held))
+
+    def emit(self, event: Any, tensor: Any = None) -> None:
+        assert self.r.events is not None
+        self.r.events.send(event, tensor)

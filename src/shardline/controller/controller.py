@@ -194,6 +194,10 @@ class InstanceController:
 
     # ---- views for callers -------------------------------------------------------------------------------
 
+    @property
+    def dropped(self) -> int:
+        return self._inbox.dropped + self.state.dropped
+
     def fresh_heartbeats(self, timeout: float) -> list[m.Heartbeat] | None:
         """One heartbeat from every stage received after this call (runner counters are then current)."""
         since = time.monotonic()

@@ -54,6 +54,7 @@ class StageView:
     failed: m.RunnerFailed | None = None
     fatal: Diagnostic | None = None
     exited: m.RunnerExited | None = None
+    stopped: bool = False
 
 
 @dataclass
@@ -118,6 +119,9 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
     if isinstance(msg, m.RunnerExited):
         view.exited = msg
         return
+    if isinstance(msg, m.RunnerStopped):
+        view.stopped = True
+        return
     if isinstance(msg, m.RunnerDiagnostic):
         view.fatal = view.fatal or msg.diagnostic
         return
@@ -167,6 +171,8 @@ def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None
             return f"stage {stage} reported {v.fatal.kind}: {v.fatal.line}"
         if v.exited is not None:
             return f"stage {stage} {_exit_text(v.exited)}"
+        if v.stopped:
+            return f"stage {stage} stalled: its process is stopped (SIGSTOP)"
         if v.alive and now - v.last_heard > cfg.heartbeat_timeout:
             return f"stage {stage} stalled: no heartbeat for {now - v.last_heard:.1f}s"
         hb = v.heartbeat

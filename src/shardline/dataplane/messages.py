@@ -232,6 +232,15 @@ class RunnerExited(Wire):
     log_tail: list[str] = []
 
 
+class RunnerStopped(Wire):
+    """Node agent: the runner process is stopped (SIGSTOP, a debugger): it cannot make progress."""
+
+    kind: Literal["runner_stopped"] = "runner_stopped"
+    generation: int
+    stage: int
+    pid: int
+
+
 class RunnerDiagnostic(Wire):
     """Node agent: a fatal diagnostic read from a runner's output."""
 
@@ -264,6 +273,7 @@ RunnerStatus = Annotated[
     | RunnerFailed
     | RunnerStarted
     | RunnerExited
+    | RunnerStopped
     | RunnerDiagnostic
     | GenerationFault
     | Resubmitted,

@@ -276,6 +276,10 @@ class Engine:
             raise EngineError(f"no heartbeat from every stage within {timeout:.0f}s")
         return beats
 
+    def dropped(self) -> dict[str, int]:
+        """Messages each role refused (unparsable, another generation, unknown stage)."""
+        return {"front": self.front.dropped, "controller": self.controller.dropped if self.controller else 0}
+
     def wait_recovered(self, count: int, timeout: float) -> bool:
         """True once `count` failures were recovered from and the instance serves again."""
         deadline = time.monotonic() + timeout

@@ -72,6 +72,7 @@ class Front:
         self.closed = False
         self.serving = threading.Event()
         self._faulted: set[int] = set()
+        self._newest = -1  # the newest generation announced
         self._inbox = Inbox(session, name=self.name)
         self._inbox.subscribe(self.keys.events_any, m.EVENTS, "events")
         self._inbox.subscribe(self.keys.updates, m.INSTANCE, "updates")
@@ -163,6 +164,10 @@ class Front:
             control.close()
         self._inbox.close()
 
+    @property
+    def dropped(self) -> int:
+        return self._inbox.dropped
+
     def running(self) -> int:
         with self._lock:
             return sum(1 for h in self.requests.values() if h.state.admitted)
@@ -236,6 +241,10 @@ class Front:
                 log.exception("front failed on %s", type(env.message).__name__)
 
     def _on_update(self, msg: Any) -> None:
+        if isinstance(msg, m.Serving | m.Recovering) and msg.generation < self._newest:
+            return  # generations only move forward: an older one's word is stale
+        if isinstance(msg, m.Serving | m.Recovering):
+            self._newest = msg.generation
         if isinstance(msg, m.Serving):
             control = Outbox(self._session, Keys(self.keys.instance, msg.generation).control, msg.generation)
             try:
@@ -270,8 +279,6 @@ class Front:
             self.serving.set()
         elif isinstance(msg, m.Recovering):
             with self._lock:
-                if self.generation is not None and self.generation > msg.generation:
-                    return
                 self.generation = None
                 old, self._control = self._control, None
                 for h in self.requests.values():

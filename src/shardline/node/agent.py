@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import zenoh
 
 from shardline.dataplane import messages as m
@@ -26,6 +27,14 @@ from shardline.supervisor.logs import RotatingLog, pump_stream
 
 log = logging.getLogger("shardline.agent")
 TAIL_LINES = 5
+STOP_POLL_S = 0.25
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
 
 
 @dataclass
@@ -68,10 +77,12 @@ class NodeAgent:
                 log.exception("agent command %s failed", type(env.message).__name__)
 
     def _report(self, message: object) -> None:
+        if self._closed.is_set():
+            return  # shutting down: nobody judges these any more
         try:
             self._reports.send(message)
-        except Exception:
-            log.warning("could not report %s", type(message).__name__, exc_info=True)
+        except Exception as exc:
+            log.warning("could not report %s: %s", type(message).__name__, exc)
 
     def _start(self, cmd: m.StartRunner) -> None:
         spec = cmd.spec
@@ -96,10 +107,22 @@ class NodeAgent:
         threading.Thread(target=self._wait, args=(runner,), daemon=True, name=f"wait-{proc.pid}").start()
 
     def _wait(self, runner: _Runner) -> None:
-        code = runner.proc.wait()
+        spec = runner.spec
+        stopped_reported = False
+        while True:
+            try:
+                code = runner.proc.wait(timeout=STOP_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            # A stopped process sends nothing, not even what it queued before the signal: say so at once.
+            if not stopped_reported and _is_stopped(runner.proc.pid):
+                stopped_reported = True
+                self._report(
+                    m.RunnerStopped(generation=spec.generation, stage=spec.stage, pid=runner.proc.pid)
+                )
         runner.pump.join(timeout=5)  # its last lines, for the tail
         runner.log.close()
-        spec = runner.spec
         with self._lock:
             self._runners.pop((spec.generation, spec.stage), None)
         self._report(

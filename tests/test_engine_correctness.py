@@ -20,16 +20,19 @@ def test_greedy_tokens_and_logits_match_single_process(tiny_models, start_engine
     engine = start_engine(tiny_models[arch], stages)
     for i, n in enumerate(LENGTHS):
         prompt = random_prompt(n, seed=100 * i + n)
-        expected, margins = ref.greedy(prompt, MAX_TOKENS)
+        expected, margins, dists = ref.greedy_logprobs(prompt, MAX_TOKENS)
         # The comparison is only meaningful if no greedy choice is a near tie.
         assert min(margins) > 1e-3, f"reference has a near-tied logit (margins {margins})"
         handle = engine.submit(prompt, max_tokens=MAX_TOKENS, want_logits=True)
         got = list(handle)
         assert [t.token for t in got] == expected, f"prompt length {n}"
-        first = got[0].logits
         want = ref.last_logits(prompt)
-        rel = float(mx.abs(first - want).max() / mx.abs(want).max())
+        rel = float(mx.abs(got[0].logits - want).max() / mx.abs(want).max())
         assert rel < 1e-4, f"prompt length {n}: last logits differ by {rel:.2e} relative"
+        for i, (tok, dist) in enumerate(zip(got, dists, strict=True)):  # every generated position
+            mine = tok.logits - mx.logsumexp(tok.logits)
+            rel = float(mx.abs(mine - dist).max() / mx.abs(dist).max())
+            assert rel < 1e-4, f"prompt length {n}, token {i}: log-probabilities differ by {rel:.2e}"
         assert handle.finish_reason == "length"
 
 

@@ -18,7 +18,14 @@ class Reference:
         self, prompt: list[int], max_tokens: int, prefill_step: int = 2048
     ) -> tuple[list[int], list[float]]:
         """Greedy tokens and, per token, the margin between the best and second-best logit."""
-        tokens, margins = [], []
+        tokens, margins, _ = self.greedy_logprobs(prompt, max_tokens, prefill_step)
+        return tokens, margins
+
+    def greedy_logprobs(
+        self, prompt: list[int], max_tokens: int, prefill_step: int = 2048
+    ) -> tuple[list[int], list[float], list[mx.array]]:
+        """Greedy tokens, their margins, and the log-probabilities each one was chosen from."""
+        tokens, margins, dists = [], [], []
         for tok, logprobs in generate_step(
             mx.array(prompt),
             self.model,
@@ -29,7 +36,8 @@ class Reference:
             top2 = mx.sort(logprobs)[-2:]
             margins.append(float(top2[1] - top2[0]))
             tokens.append(int(tok))
-        return tokens, margins
+            dists.append(logprobs.astype(mx.float32))
+        return tokens, margins, dists
 
     def last_logits(self, prompt: list[int]) -> mx.array:
         cache = make_prompt_cache(self.model)

@@ -5,19 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import random_prompt
+from conftest import FAST, random_prompt
 
 from shardline.runner.deadline import DeadlinePolicy, Speed, work
 from shardline.runner.spec import Fault
 from shardline.testing.reference import Reference
-
-FAST = dict(
-    heartbeat_s=0.2,
-    heartbeat_timeout=1.5,
-    step_deadline_floor=1.0,
-    step_timeout=20.0,
-    backoff_s=0.05,
-)
 
 
 @pytest.fixture(scope="module")

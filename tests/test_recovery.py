@@ -14,20 +14,13 @@ import time
 
 import psutil
 import pytest
-from conftest import STEP, assert_no_runner_left, random_prompt
+from conftest import FAST, STEP, assert_no_runner_left, random_prompt
 
 from shardline.engine.engine import EngineError
 from shardline.errors import RequestError
 from shardline.runner.spec import Fault
 from shardline.testing.reference import Reference
 
-FAST = dict(
-    heartbeat_s=0.2,
-    heartbeat_timeout=1.5,
-    step_deadline_floor=1.0,
-    step_timeout=5.0,
-    backoff_s=0.05,
-)
 DETECT_MARGIN = 2.0  # seconds beyond the configured deadline: monitor tick, signal delivery, a loaded CI box
 PROMPT_LEN = 75 * STEP  # a long prompt: 75 chunks
 MAX_TOKENS = 12

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import random_prompt
+from conftest import FAST, random_prompt
 
 from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
@@ -18,10 +18,6 @@ from shardline.dataplane.transport import Keys, Outbox, open_session
 from shardline.errors import OverloadError
 from shardline.runner.spec import Fault
 from shardline.testing.reference import Reference
-
-FAST = dict(
-    heartbeat_s=0.2, heartbeat_timeout=1.5, step_deadline_floor=1.0, step_timeout=10.0, backoff_s=0.05
-)
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:

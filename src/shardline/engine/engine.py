@@ -20,7 +20,6 @@ from typing import Literal
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardline.compute.sampling import SamplingParams
 from shardline.compute.shard import check_architecture
 from shardline.controller.controller import InstanceController
 from shardline.controller.state import ControllerConfig, Failure
@@ -28,7 +27,6 @@ from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, open_session
 from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
 from shardline.front.front import Front, ModelLimits
-from shardline.front.request import RequestHandle
 from shardline.node.agent import NodeAgent
 from shardline.runner.spec import Fault, RunnerSpec
 
@@ -128,6 +126,9 @@ class Engine:
         self.front = Front(
             self.session, self.instance, limits, max_queue=config.max_queue, resume=config.resume
         )
+        # Requests go to the front as they are: one piece of code validates and submits for every caller.
+        self.submit = self.front.submit
+        self.cancel = self.front.cancel
         hidden = int(self.model_config.get("hidden_size") or 1024)
         self.controller = (
             InstanceController(
@@ -223,22 +224,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    # ---- requests ----------------------------------------------------------------------------------------
-
-    def submit(
-        self,
-        prompt: list[int],
-        max_tokens: int = 256,
-        sampling: SamplingParams | None = None,
-        stop_tokens: list[int] | None = None,
-        want_logits: bool = False,
-        request_id: str | None = None,
-    ) -> RequestHandle:
-        return self.front.submit(prompt, max_tokens, sampling, stop_tokens, want_logits, request_id)
-
-    def cancel(self, request_id: str) -> None:
-        self.front.cancel(request_id)
 
     # ---- what the roles know -----------------------------------------------------------------------------
 

@@ -16,12 +16,10 @@ from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.transport import DeadlineExceeded
 from shardline.runner import schedule
 from shardline.runner.deadline import Speed
-from shardline.runner.worker import ProtocolError
+from shardline.runner.worker import WARMUP_ID, ProtocolError
 
 if TYPE_CHECKING:
     from shardline.runner.process import Runner
-
-WARMUP_ID = "\x00warmup"  # no front can send this id: the front refuses control characters
 
 
 @dataclass
@@ -90,7 +88,6 @@ class Leader:
         self.worker.release(WARMUP_ID)
         if self.r.downstream is not None:
             self.r.downstream.send(m.Release(request_id=WARMUP_ID))
-        mx.reset_peak_memory()
 
     def _observe(self, step: m.Step | InFlight, trace: list[float]) -> None:
         if len(trace) != self.spec.stages:

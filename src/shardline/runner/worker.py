@@ -13,6 +13,8 @@ from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.messages import Step, StepResult, StepTime
 
+WARMUP_ID = "\x00warmup"  # the ring warm-up's request: no front sends control characters
+
 
 class ProtocolError(RuntimeError):
     """A message that does not fit this stage's state: never obeyed."""
@@ -28,6 +30,12 @@ class StageWorker:
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
+        if request_id == WARMUP_ID:
+            self.reset_peaks()  # peaks from here on are what real requests cost
+
+    def reset_peaks(self) -> None:
+        self.kv_peak_bytes = 0
+        mx.reset_peak_memory()
 
     def check(self, step: Step, x: mx.array) -> None:
         """Raise ProtocolError unless the step continues a request exactly where its cache stands."""
@@ -101,5 +109,5 @@ class StageWorker:
                 per_stage = sum(c.nbytes for c in cache)
                 self.kv_bytes_per_token = per_stage // max(1, cache[0].keys.shape[2])
             del cache
-        mx.reset_peak_memory()
+        self.reset_peaks()
         return timings

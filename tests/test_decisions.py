@@ -1,0 +1,107 @@
+"""The pure decisions, without processes: admission, health judgment, restart budget."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shardline.compute.kv import KV_STEP, reservation_bytes
+from shardline.controller import state as cs
+from shardline.dataplane import messages as m
+from shardline.runner.schedule import admit_count
+
+CFG = cs.ControllerConfig(stages=2, heartbeat_timeout=2.0, step_deadline_floor=1.0, max_restarts=2)
+
+
+@pytest.mark.timeout(30)
+@given(
+    waiting=st.lists(st.integers(1, 100), max_size=12),
+    reserved=st.integers(0, 200),
+    budget=st.integers(0, 300),
+)
+def test_admission_is_strict_fifo_within_budget(waiting: list[int], reserved: int, budget: int) -> None:
+    n = admit_count(waiting, reserved, budget)
+    if budget == 0:
+        assert n == len(waiting)  # no budget, no limit
+        return
+    assert reserved + sum(waiting[:n]) <= budget or n == 0
+    if n < len(waiting):  # the head that stays does not fit: nothing behind it overtakes
+        assert reserved + sum(waiting[: n + 1]) > budget
+
+
+@pytest.mark.timeout(10)
+def test_reservation_counts_whole_cache_steps():
+    assert reservation_bytes(1, 1, 10) == KV_STEP * 10
+    assert reservation_bytes(KV_STEP, 1, 10) == 2 * KV_STEP * 10
+    assert reservation_bytes(30, 400, 1) == 512
+
+
+def _serving(now: float = 100.0) -> cs.InstanceState:
+    s = cs.InstanceState(stages=2)
+    cs.new_generation(s, now)
+    for stage in range(2):
+        cs.apply(s, m.Ready(stage=stage, pid=10 + stage, weight_bytes=1, layers=(0, 1)), 0, now)
+    s.phase = "serving"
+    return s
+
+
+@pytest.mark.timeout(10)
+def test_judge_names_the_stage_and_the_cause():
+    s = _serving()
+    assert cs.judge(s, CFG, 101.0) is None
+    assert cs.judge(s, CFG, 102.5) == "stage 0 stalled: no heartbeat for 2.5s"
+    s = _serving()
+    cs.apply(s, m.RunnerExited(generation=0, stage=1, pid=11, signal=9), 0, 100.5)
+    assert cs.judge(s, CFG, 100.6).startswith("stage 1 killed by SIGKILL")
+    s = _serving()
+    cs.apply(s, m.RunnerStopped(generation=0, stage=1, pid=11), 0, 100.5)
+    assert "stopped (SIGSTOP)" in cs.judge(s, CFG, 100.6)
+
+
+@pytest.mark.timeout(10)
+def test_judge_uses_the_steps_own_deadline_and_arrival_time():
+    s = _serving()
+    cs.apply(
+        s,
+        m.Ready(
+            stage=1,
+            pid=11,
+            weight_bytes=1,
+            layers=(1, 2),
+            warmup=[m.StepTime(n=1, context=1, seconds=0.5), m.StepTime(n=64, context=64, seconds=2.0)],
+        ),
+        0,
+        100.0,
+    )
+    beat = m.Heartbeat(stage=1, steps=3, busy=True, busy_for_s=4.0, busy_n=64, busy_context=64)
+    cs.apply(s, beat, 0, 100.0)
+    assert cs.judge(s, CFG, 100.1) is None  # 4 s into a step measured at 2 s: within 10x
+    big = beat.model_copy(update={"busy_n": 1, "busy_context": 65, "busy_for_s": 4.0})
+    cs.apply(s, big, 0, 100.0)
+    assert cs.judge(s, CFG, 100.1) is None  # a decode step measured at 0.5 s: its deadline is 5 s
+    assert "stalled: one step of 1 positions" in cs.judge(s, CFG, 101.5)  # 4 s + 1.5 s since arrival
+
+
+@pytest.mark.timeout(10)
+def test_other_generations_and_stages_are_dropped():
+    s = _serving()
+    cs.apply(s, m.RunnerExited(generation=7, stage=0, pid=1, code=1), 7, 100.0)
+    cs.apply(s, m.Heartbeat(stage=5, steps=1, busy=True, busy_for_s=1e9), 0, 100.0)
+    cs.apply(s, m.GenerationFault(generation=3, why="old"), 0, 100.0)
+    assert s.dropped == 3 and cs.judge(s, CFG, 100.5) is None
+
+
+@pytest.mark.timeout(10)
+def test_restart_budget_backs_off_then_gives_up():
+    s = _serving()
+    decisions = []
+    for i in range(4):
+        s.failures.append(cs.Failure("x", 0, 100.0 + i, 0.0, []))
+        decisions.append(cs.after_failure(s, CFG, "x", 100.0 + i))
+    backoffs = [d.backoff_s for d in decisions if isinstance(d, cs.Retry)]
+    assert backoffs == [0.2, 0.4]  # doubling
+    assert all(isinstance(d, cs.GiveUp) for d in decisions[2:])
+    assert "gave up after 3 failures" in decisions[2].why
+    later = cs.after_failure(s, CFG, "x", 100.0 + 10 * CFG.restart_window_s)
+    assert isinstance(later, cs.Retry)  # old failures leave the window

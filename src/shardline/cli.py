@@ -19,7 +19,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stages", type=int, default=2, help="pipeline stages, one local runner process each")
     p.add_argument("--prefill-step", type=int, default=256, help="prompt tokens per prefill chunk")
-    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds a stage may take for one step")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="ceiling of the step deadline in seconds (deadlines scale with each step and measured speed)",
+    )
 
 
 def _positive(value: int, name: str) -> int:
@@ -185,8 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from pydantic import ValidationError
 
-    from shardline.engine.engine import EngineError
-    from shardline.errors import RequestError
+    from shardline.errors import EngineError, OverloadError, RequestError
     from shardline.models.errors import ModelError
 
     try:
@@ -194,7 +198,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nshardline: interrupted", file=sys.stderr)
         return 130
-    except (CliError, ModelError, EngineError, RequestError, ValueError, ValidationError, OSError) as exc:
+    except (
+        CliError,
+        ModelError,
+        EngineError,
+        OverloadError,
+        RequestError,
+        ValueError,
+        ValidationError,
+        OSError,
+    ) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"shardline: error: {message}", file=sys.stderr)
         return 2

@@ -32,8 +32,6 @@ from shardline.runner.spec import Fault, RunnerSpec
 
 __all__ = ["ContextLengthError", "Engine", "EngineConfig", "EngineError", "OverloadError", "RequestError"]
 
-Recovery = Failure  # what tests and benches read: one failure and its recovery
-
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True)

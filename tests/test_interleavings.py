@@ -19,6 +19,7 @@ shrinking: a failing example is printed as drawn, with the timeline of what each
 
 from __future__ import annotations
 
+import os
 import signal
 import tempfile
 import threading
@@ -28,12 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-import os
-
 import psutil
 import pytest
 from conftest import STEP, assert_no_runner_left, random_prompt
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from shardline.engine.engine import Engine, EngineConfig
@@ -105,8 +104,9 @@ def programs(draw: st.DrawFn) -> list[list[Op]]:
     others = draw(
         st.lists(
             st.one_of(
+                st.builds(Wait, st.integers(0, 9), st.integers(1, 8)),
                 st.builds(Cancel, st.integers(0, 9), st.booleans()),
-                st.builds(Wait, st.integers(0, 9), st.integers(1, 6)),
+                st.builds(Wait, st.integers(0, 9), st.integers(1, 8)),  # twice as likely: it paces a thread
             ),
             min_size=2,
             max_size=3,
@@ -149,6 +149,7 @@ class Run:
         self.engine = engine
         self.prompts = prompts
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # a submit returned, or a shutdown began
         self.submitted: list[Submitted] = []
         self.refused: list[str] = []
         self.violations: list[str] = []
@@ -189,6 +190,7 @@ class Run:
         with self.lock:
             self.submitted.append(Submitted(op, self.prompts[op], handle))
             n = len(self.submitted) - 1
+            self.changed.notify_all()
         self.log(who, f"{op} -> #{n} {handle.request_id[:8]}")
 
     def cancel(self, who: str, op: Cancel) -> None:
@@ -221,9 +223,12 @@ class Run:
         self.log(who, f"{op} -> pid {pid} (generation {self.engine.generation})")
 
     def wait(self, who: str, op: Wait) -> None:
+        """Wait (bounded) for some submit to have returned, then for `op.tokens` more tokens of one handle."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.submitted or self.shutdown_started.is_set(), WAIT_S)
         s = self.pick(op.index)
         if s is None:
-            self.log(who, f"{op}: nothing submitted yet")
+            self.log(who, f"{op}: nothing submitted")
             return
         got = 0
         try:
@@ -239,7 +244,9 @@ class Run:
         self.log(who, f"{op} on {s.handle.request_id[:8]}: {got} tokens, {how}")
 
     def shutdown(self, who: str) -> None:
-        self.shutdown_started.set()
+        with self.changed:
+            self.shutdown_started.set()
+            self.changed.notify_all()
         start = time.monotonic()
         self.engine.shutdown()
         took = time.monotonic() - start
@@ -272,7 +279,8 @@ class Run:
 
 
 def run_program(model_dir: Path, log_root: Path, program: list[list[Op]]) -> Run:
-    prompts = {op: random_prompt(op.prompt_len, op.seed) for ops in program for op in ops if isinstance(op, Submit)}
+    submits = [op for ops in program for op in ops if isinstance(op, Submit)]
+    prompts = {op: random_prompt(op.prompt_len, op.seed) for op in submits}  # mlx, before any thread
     config = EngineConfig(
         model_dir=model_dir, stages=STAGES, log_dir=Path(tempfile.mkdtemp(dir=log_root)), **FAST_ENGINE
     )
@@ -307,7 +315,8 @@ def run_program(model_dir: Path, log_root: Path, program: list[list[Op]]) -> Run
             except RequestError:
                 pass
             except TimeoutError:
-                run.violate("main", f"#{n} {s.handle.request_id[:8]} {s.op} not done within {END_BOUND_S:.0f}s")
+                name = f"#{n} {s.handle.request_id[:8]} {s.op}"
+                run.violate("main", f"{name} not done within {END_BOUND_S:.0f}s")
         run.log("main", "handles ended")
         run.shutdown("main")  # a second one, after a shutdown in the middle, returns at once
         with run.lock:
@@ -370,6 +379,11 @@ def reference(tiny_models):
     return Reference(tiny_models["llama"])
 
 
+@pytest.fixture(scope="module")
+def reference_cache() -> dict[tuple[tuple[int, ...], int], list[int]]:
+    return {}  # (prompt, max_tokens) -> fault-free greedy tokens, across examples
+
+
 @pytest.mark.timeout(300)
 @settings(
     max_examples=8,
@@ -379,9 +393,23 @@ def reference(tiny_models):
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(program=programs())
-def test_every_handle_ends_and_no_runner_remains(tiny_models, reference, tmp_path, program):
-    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+# Two interleavings always run, whatever is drawn: a kill mid-decode with a shutdown racing the rebuild, and
+# a SIGSTOP mid-decode with submits and a cancel while the instance recovers.
+@example(
+    program=[
+        [Submit(40, 40, 1), Wait(0, 3), Kill(1, signal.SIGKILL), Wait(0, 2), Submit(10, 20, 2)],
+        [Submit(25, 30, 3), Wait(1, 4), Cancel(1, True), Submit(5, 12, 4)],
+        [Wait(0, 5), Shutdown()],
+    ]
+)
+@example(
+    program=[
+        [Submit(60, 40, 5), Wait(0, 2), Kill(0, signal.SIGSTOP), Submit(30, 25, 6), Cancel(0, False)],
+        [Wait(0, 1), Submit(12, 33, 7), Wait(1, 8), Kill(1, signal.SIGKILL)],
+    ]
+)
+def test_every_handle_ends_and_no_runner_remains(tiny_models, reference, reference_cache, tmp_path, program):
     run = run_program(tiny_models["llama"], tmp_path, program)
-    check(run, reference, cache)
+    check(run, reference, reference_cache)
     timeline = "\n".join(run.trace)
     assert not run.violations, "\n".join(run.violations) + f"\nprogram: {program}\ntimeline:\n{timeline}"

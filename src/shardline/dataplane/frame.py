@@ -18,6 +18,8 @@ from shardline.dataplane.messages import TensorMeta
 
 _PREFIX = struct.Struct("<Iq")  # header length, generation
 MAX_HEADER_BYTES = 16 << 20  # a header is JSON of token lists and settings: far below this
+MAX_DIMS = 8  # activations are (batch, positions, hidden): anything deeper is a lie
+MAX_DIM = 1 << 40  # beyond numpy's intp limits a reshape fails with its own error, not ours
 # bfloat16 has no numpy dtype: it travels as its bit pattern.
 _CARRIER = {mx.bfloat16: (mx.uint16, np.uint16)}
 _NP_BY_NAME = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int32": np.int32}
@@ -67,8 +69,10 @@ def decode(data: bytes, adapter: TypeAdapter) -> tuple[Any, np.ndarray | None]:
         return message, None
     if meta.dtype not in _NP_BY_NAME:
         raise FrameError(f"unsupported tensor dtype {meta.dtype}")
-    if any(d < 0 for d in meta.shape):
-        raise FrameError(f"negative dimension in shape {meta.shape}")
+    if len(meta.shape) > MAX_DIMS:
+        raise FrameError(f"tensor of {len(meta.shape)} dimensions; at most {MAX_DIMS}")
+    if any(d < 0 or d > MAX_DIM for d in meta.shape):
+        raise FrameError(f"dimension out of range in shape {meta.shape}")
     dtype = np.dtype(_NP_BY_NAME[meta.dtype])
     want = math.prod(meta.shape) * dtype.itemsize
     if payload != want:

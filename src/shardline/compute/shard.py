@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,9 @@ from mlx_lm.models import cache as kv_cache
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import load_config, load_model
 
+from shardline.cluster.weights import SHARD_MANIFEST, missing_tensors
 from shardline.compute import attention
+from shardline.models.errors import CorruptModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -100,11 +103,31 @@ class Shard:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
 
+def _check_partial(model: nn.Module, model_dir: Path, layers: LayerRange) -> None:
+    """Lenient loading leaves a tensor absent from the files randomly initialised: refuse that instead."""
+    from mlx.utils import tree_flatten
+
+    wanted = {}
+    for name, value in tree_flatten(model.parameters()):
+        # The layer list was sliced: layer j here is layer start + j in the files.
+        if m := re.match(r"model\.layers\.(\d+)\.(.*)", name):
+            name = f"model.layers.{int(m[1]) + layers.start}.{m[2]}"
+        wanted[name] = tuple(value.shape)
+    if missing := missing_tensors(model_dir, wanted):
+        raise CorruptModelError(
+            f"{model_dir} holds a partial model without {len(missing)} tensor(s) that layers "
+            f"[{layers.start}, {layers.end}) need, e.g. {missing[0]}: fetch this stage's range instead"
+        )
+
+
 def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: int | None = None) -> Shard:
     """Materialise only this stage's weights: everything else stays a lazy, never-read array."""
     config = load_config(Path(model_dir))
     check_architecture(config)
-    model, config = load_model(Path(model_dir), lazy=True, strict=True)
+    # A stage directory fetched from a peer (cluster/weights.py) holds only its own tensors, which strict
+    # loading refuses; load it leniently, then require every tensor this stage keeps (_check_partial).
+    partial = (Path(model_dir) / SHARD_MANIFEST).is_file()
+    model, config = load_model(Path(model_dir), lazy=True, strict=not partial)
     total = len(model.model.layers)
     layers = layers or LayerRange(0, total, total)
     if layers.total != total:
@@ -118,6 +141,8 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
         del inner.norm
         if "lm_head" in model:
             del model.lm_head
+    if partial:
+        _check_partial(model, Path(model_dir), layers)
     module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
     attention.install(module, score_budget or attention.DEFAULT_SCORE_BUDGET)
     mx.eval(model.parameters())

@@ -1,0 +1,354 @@
+"""Model footprints and placement: which node holds which contiguous range of a model's layers.
+
+`place` is a pure function of a footprint, the nodes' reported capacities and a request; it never does I/O.
+`footprint_from_dir` reads only config.json and the JSON headers of the safetensors files, never a tensor.
+
+Cost model (relative, for comparing placements, not a latency prediction):
+- a stage's time per decode step is the weight bytes it multiplies by (its layers, plus the head on the last
+  stage: lm_head, or the embedding when tied) / (compute_score * 1e9), i.e. one FLOP per weight byte;
+- a split pipeline adds `hop_cost` to every stage (sending hidden states on), where hop_cost is
+  `hop_cost_fraction` of the whole model's time on the fastest node, so extra stages are never free;
+- a placement's step time is its slowest stage's: with one micro-batch per stage in flight, that stage bounds
+  the rate of the whole pipeline.
+Pipeline order is node_id order (predictable, stable when nodes join or leave); unneeded nodes are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shardline.compute.kv import round_up
+from shardline.models.errors import CorruptModelError
+
+GB = 1e9  # decimal, as memory sizes are quoted ("a 36 GB machine")
+DEFAULT_RESERVE_TOKENS = 4096
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # a safetensors header beyond this is garbage, not a model
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+class ModelFootprint(BaseModel):
+    """What a model needs, per part; sent inside node reports, so pydantic and tolerant of extra fields."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    name: str
+    layers: int = Field(ge=1)
+    layer_bytes: list[int]  # weight bytes of each transformer layer
+    embed_bytes: int = Field(ge=0)
+    head_bytes: int = Field(ge=0)  # final norm + lm_head (only the norm when tied)
+    tied: bool  # lm_head is the embedding: the last stage holds (and multiplies by) it too
+    kv_bytes_per_token_per_layer: int = Field(ge=0)  # 2 * kv_heads * head_dim * dtype bytes
+    context_length: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _one_size_per_layer(self) -> ModelFootprint:
+        if len(self.layer_bytes) != self.layers or min(self.layer_bytes) < 0:
+            raise ValueError(f"layer_bytes needs {self.layers} sizes >= 0, got {len(self.layer_bytes)}")
+        return self
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes
+
+
+def _tensor_sizes(path: Path) -> dict[str, tuple[str, int]]:
+    """tensor name -> (dtype, bytes), from the header alone."""
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _MAX_HEADER_BYTES:
+                raise ValueError(f"header length {length} is implausible")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        return {name: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0]) for name, e in header.items()}
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CorruptModelError(f"{path.name}: unreadable safetensors header ({e})") from e
+
+
+def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootprint:
+    """Footprint of an mlx-lm model directory. Raises CorruptModelError for unusable files."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        vocab = int(config["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        raise CorruptModelError(f"{model_dir.name}: config.json is unusable ({e})") from e
+    files = sorted(model_dir.glob("model*.safetensors"))  # what mlx-lm loads, nothing else
+    if not files:
+        raise CorruptModelError(f"{model_dir.name}: no model*.safetensors weight file")
+    layer_bytes, embed, head, layer_dtypes = [0] * layers, 0, 0, set[str]()
+    tensors: set[str] = set()
+    for path in files:
+        for tensor, (dtype, size) in _tensor_sizes(path).items():
+            tensors.add(tensor)
+            if m := _LAYER_TENSOR.match(tensor):
+                if (i := int(m.group(1))) >= layers:
+                    raise CorruptModelError(f"{path.name}: {tensor} but num_hidden_layers is {layers}")
+                layer_bytes[i] += size
+                layer_dtypes.add(dtype)
+            elif tensor.startswith("model.embed_tokens."):
+                embed += size
+            else:  # model.norm.*, lm_head.*, and anything unexpected: counted once, on the last stage
+                head += size
+    # The KV cache takes the activations' dtype: the layers' float dtype. MLX-quantized layers store packed
+    # integers with float16/bfloat16 scales, and compute (so cache) in 16 bits: 2 bytes.
+    quantized = "quantization" in config or not layer_dtypes <= _FLOAT_BYTES.keys()
+    kv_dtype = 2 if quantized or not layer_dtypes else max(_FLOAT_BYTES[d] for d in layer_dtypes)
+    return ModelFootprint(
+        name=name or model_dir.name,
+        layers=layers,
+        layer_bytes=layer_bytes,
+        embed_bytes=embed,
+        head_bytes=head,
+        # mlx-lm ties by default (and drops lm_head) for llama/qwen2, so a missing flag means "no lm_head".
+        tied=bool(config.get("tie_word_embeddings", "lm_head.weight" not in tensors)),
+        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * kv_dtype,
+        # As the engine: no stated limit means none, and the KV reservation falls back to its default.
+        context_length=int(config.get("max_position_embeddings") or 2**31),
+        hidden_size=hidden,
+        vocab_size=vocab,
+    )
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What a node reports it can give one instance."""
+
+    node_id: str
+    available_bytes: int  # memory offered (already the --memory-limit share if one is set)
+    compute_score: float  # relative speed: GFLOP/s of a short matmul
+
+    def __post_init__(self) -> None:
+        if self.available_bytes < 0 or not (0 < self.compute_score < math.inf):
+            raise ValueError(
+                f"bad capacity for {self.node_id!r}: {self.available_bytes} B, score {self.compute_score}"
+            )
+
+
+class PlacementRequest(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    reserve_tokens: int | None = Field(None, ge=1)  # KV per sequence; None: min(context, 4096)
+    sequences: int = Field(4, ge=1)  # concurrent sequences to reserve KV for
+    activation_bytes: int = Field(256 << 20, ge=0)  # scratch headroom per stage
+    max_stages: int | None = Field(None, ge=1)
+    hop_cost_fraction: float = Field(0.05, ge=0)  # see the module docstring
+
+
+class StageAssignment(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    node_id: str
+    start: int
+    end: int  # exclusive
+    weight_bytes: int  # its layers, plus the embedding (first stage) and head (last stage) it holds
+    kv_bytes: int
+    need_bytes: int  # weight + KV + activation headroom; never above available_bytes
+    available_bytes: int
+    est_time: float  # relative seconds per decode step, hop included
+
+
+class Placement(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    stages: list[StageAssignment]  # in pipeline order = layer order
+    est_step_time: float  # the slowest stage's
+    hop_cost: float  # added to each stage's time when split (0 on one stage)
+    reserve_tokens: int  # per sequence, rounded up to the KV cache's allocation step
+    sequences: int
+    need_bytes: int  # all stages together
+    unused_nodes: list[str]
+
+
+class PlacementError(ValueError):
+    """No placement fits; the message has the numbers (model need, each node's memory)."""
+
+    def __init__(self, message: str, needed_bytes: int, available: dict[str, int]) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes  # the whole model on one stage
+        self.available = dict(available)
+
+    def __reduce__(self) -> tuple:  # picklable despite the extra constructor arguments
+        return (type(self), (str(self), self.needed_bytes, self.available))
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Memory and time of any layer range [s, e) for one model and request; O(1) each via prefix sums."""
+
+    model: ModelFootprint
+    prefix: list[int]
+    kv_per_layer: int
+    activation_bytes: int
+
+    def weights(self, s: int, e: int) -> int:
+        m = self.model
+        w = self.prefix[e] - self.prefix[s] + (m.embed_bytes if s == 0 else 0)
+        if e == m.layers:
+            w += m.head_bytes + (m.embed_bytes if m.tied and s > 0 else 0)
+        return w
+
+    def need(self, s: int, e: int) -> int:  # grows with e: a stage that can't hold [s, e) can't hold more
+        return self.weights(s, e) + self.kv_per_layer * (e - s) + self.activation_bytes
+
+    def time(self, node: NodeCapacity, s: int, e: int) -> float:
+        m = self.model
+        work = self.prefix[e] - self.prefix[s]
+        if e == m.layers:
+            work += m.head_bytes + (m.embed_bytes if m.tied else 0)
+        return work / (node.compute_score * 1e9)
+
+
+def _min_bottleneck(c: _Costs, order: Sequence[NodeCapacity], kmax: int) -> float:
+    """Least possible slowest-stage time over splits into 2..kmax stages, nodes in order (DP, O(N*K*L^2))."""
+    n = c.model.layers
+    best = [[math.inf] * (n + 1) for _ in range(kmax + 1)]  # best[k][i]: layers [0, i) on k stages
+    best[0][0] = 0.0
+    for node in order:
+        for k in range(kmax - 1, -1, -1):  # downwards, so that this node extends only plans without it
+            row, nxt = best[k], best[k + 1]
+            for s in range(n):
+                if row[s] < math.inf:
+                    for e in range(s + 1, n + 1):
+                        if c.need(s, e) > node.available_bytes:
+                            break
+                        if (s, e) != (0, n):
+                            nxt[e] = min(nxt[e], max(row[s], c.time(node, s, e)))
+    return min(best[k][n] for k in range(2, kmax + 1))
+
+
+def _balanced(c: _Costs, order: Sequence[NodeCapacity], bound: float) -> list[tuple[NodeCapacity, int, int]]:
+    """Among splits with every stage within `bound`: fewest stages, then shares closest to proportional to
+    speed (least sum of work * time, which is smallest when every stage takes equally long)."""
+    n = c.model.layers
+    best: list[tuple[int, float, tuple] | None] = [None] * (n + 1)  # (stages, energy, path) for [0, i)
+    best[0] = (0, 0.0, ())
+    for node in order:
+        for s in range(n - 1, -1, -1):  # downwards: writes go to e > s, never to a prefix read later
+            if (here := best[s]) is None:
+                continue
+            for e in range(s + 1, n + 1):
+                t = c.time(node, s, e)
+                if c.need(s, e) > node.available_bytes or t > bound:
+                    break
+                if (s, e) == (0, n):
+                    continue
+                cand = (here[0] + 1, here[1] + t * t * node.compute_score, (*here[2], (node, s, e)))
+                if (old := best[e]) is None or cand[:2] < old[:2]:
+                    best[e] = cand
+    assert best[n] is not None, "bound came from a feasible split"
+    return list(best[n][2])
+
+
+def place(
+    model: ModelFootprint, nodes: Sequence[NodeCapacity], request: PlacementRequest | None = None
+) -> Placement:
+    """The placement with the fastest slowest stage (fewest stages on ties); raises PlacementError."""
+    request = PlacementRequest() if request is None else request
+    if len({n.node_id for n in nodes}) != len(nodes):
+        raise ValueError(f"duplicate node ids in {[n.node_id for n in nodes]}")
+    order = sorted(nodes, key=lambda n: n.node_id)
+    tokens = round_up(request.reserve_tokens or min(model.context_length, DEFAULT_RESERVE_TOKENS))
+    kv_layer = model.kv_bytes_per_token_per_layer * tokens * request.sequences
+    c = _Costs(model, [0, *accumulate(model.layer_bytes)], kv_layer, request.activation_bytes)
+    n = model.layers
+    fastest = max(order, key=lambda x: x.compute_score, default=None)
+    hop = request.hop_cost_fraction * c.time(fastest, 0, n) if fastest else 0.0
+    singles = [(c.time(x, 0, n), x.node_id, x) for x in order if c.need(0, n) <= x.available_bytes]
+    single = min(singles, default=None)
+    kmax = min(len(order), n, request.max_stages or n)
+    bottleneck = _min_bottleneck(c, order, kmax) if kmax >= 2 else math.inf
+    if single is not None and single[0] <= bottleneck + hop:
+        stages, hop = [(single[2], 0, n)], 0.0
+    elif bottleneck < math.inf:
+        stages = _balanced(c, order, bottleneck)
+    else:
+        raise _no_fit(c, order, request, tokens, kmax)
+    assignments = [
+        StageAssignment(
+            node_id=x.node_id,
+            start=s,
+            end=e,
+            weight_bytes=c.weights(s, e),
+            kv_bytes=kv_layer * (e - s),
+            need_bytes=c.need(s, e),
+            available_bytes=x.available_bytes,
+            est_time=c.time(x, s, e) + hop,
+        )
+        for x, s, e in stages
+    ]
+    used = {a.node_id for a in assignments}
+    return Placement(
+        model=model.name,
+        stages=assignments,
+        est_step_time=max(a.est_time for a in assignments),
+        hop_cost=hop,
+        reserve_tokens=tokens,
+        sequences=request.sequences,
+        need_bytes=sum(a.need_bytes for a in assignments),
+        unused_nodes=[x.node_id for x in order if x.node_id not in used],
+    )
+
+
+def preview(
+    model: ModelFootprint, nodes: Sequence[NodeCapacity], request: PlacementRequest | None = None
+) -> Placement | PlacementError:
+    """place(), returning the PlacementError instead of raising it (for dashboards and dry runs)."""
+    try:
+        return place(model, nodes, request)
+    except PlacementError as e:
+        return e
+
+
+def _most_layers(c: _Costs, node: NodeCapacity) -> int:
+    """The longest layer range this node could hold as some stage (0 if none)."""
+    n, most = c.model.layers, 0
+    for s in range(n):
+        for e in range(s + most + 1, n + 1):
+            if c.need(s, e) > node.available_bytes:
+                break
+            most = e - s
+    return most
+
+
+def _no_fit(
+    c: _Costs, order: Sequence[NodeCapacity], request: PlacementRequest, tokens: int, kmax: int
+) -> PlacementError:
+    m, n = c.model, c.model.layers
+    need, offered = c.need(0, n), sum(x.available_bytes for x in order)
+    head = (
+        f"{m.name} needs {need / GB:.2f} GB (weights {c.weights(0, n) / GB:.2f} GB + KV "
+        f"{c.kv_per_layer * n / GB:.2f} GB for {request.sequences} x {tokens} tokens + activations "
+        f"{c.activation_bytes / GB:.2f} GB per stage)"
+    )
+    if not order:
+        return PlacementError(f"{head} but the cluster has no nodes", need, {})
+    if offered < need:
+        why = f"but the cluster offers {offered / GB:.2f} GB"
+    else:
+        why = (
+            f"and the cluster offers {offered / GB:.2f} GB in all, but no split into at most {kmax} "
+            "contiguous stages fits"
+        )
+    nodes = ", ".join(
+        f"{x.node_id} {x.available_bytes / GB:.2f} GB (holds at most {_most_layers(c, x)} of {n} layers)"
+        for x in order
+    )
+    return PlacementError(f"{head} {why}: {nodes}", need, {x.node_id: x.available_bytes for x in order})

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +28,25 @@ def runner_pids(engine: Engine) -> list[int]:
     return engine.runner_pids()
 
 
-def assert_no_runner_left(pids: list[int]) -> None:
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+def _running(pids: list[int]) -> list[int]:
+    alive = []
+    for p in pids:
+        try:
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def assert_no_runner_left(pids: list[int], within_s: float = 10.0) -> None:
+    """Every process is gone, or going: a kill sent by another process lands within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while (alive := _running(pids)) and time.monotonic() < deadline:
+        try:
+            psutil.wait_procs([psutil.Process(p) for p in alive], timeout=0.1)
+        except psutil.NoSuchProcess:
+            pass  # went between the two looks
     assert not alive, f"runner processes left behind: {alive}"
 
 

@@ -177,7 +177,7 @@ def test_garbage_and_other_generations_change_nothing(tiny_models, start_engine,
             garbage.send_raw(b"\xff" * 64)
             other.send(message)  # well-formed, but of a generation that is not current
             outboxes += [garbage, other]
-        for key in (keys.reports, keys.updates, keys.agent):
+        for key in (keys.reports, keys.updates, engine.agent_key):
             raw = Outbox(peer, key)
             raw.wait_matched(10)
             raw.send_raw(b"not a frame")

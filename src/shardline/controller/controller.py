@@ -1,8 +1,9 @@
-"""The instance controller: layer split, generations, bring-up, health judgment, restarts.
+"""The instance controller: generations, bring-up, health judgment, restarts.
 
 A thin shell around controller/state.py: it folds status messages into the state, asks `judge` and
-`after_failure` what to do, and says it in messages: StartRunner / StopGeneration to the node agent,
-Serving / Recovering / InstanceFailed to the fronts. It holds no request and is not on the data path.
+`after_failure` what to do, and says it in messages: StartRunner / StopGeneration to node agents,
+Serving / Recovering / InstanceFailed to the fronts. Where the stages go is the layout's business (a fixed
+split on one machine, the master's placement in a cluster). It holds no request and is not on the data path.
 """
 
 from __future__ import annotations
@@ -15,43 +16,55 @@ from typing import Any
 
 import zenoh
 
-from shardline.compute.shard import split_layers
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox
-from shardline.runner.spec import RunnerSpec
 
 from . import state as st
 
 log = logging.getLogger("shardline.controller")
 TICK_S = 0.1  # how often health is judged when nothing arrives
+MATCH_S = 10.0  # how long a first command waits for its node agent to listen
+
+
+class LayoutError(Exception):
+    """No layout for a new generation (the model does not fit what is left): the instance fails with this."""
+
+
+Launch = tuple[str, m.StartRunner]  # a node agent's key, and what it is to start
+# generation -> one launch per stage, in stage order; raises LayoutError when there is no room.
+Layout = Callable[[int], list[Launch]]
 
 
 class InstanceController:
     def __init__(
         self,
         session: zenoh.Session,
-        instance: str,
+        keys: Keys,
         config: st.ControllerConfig,
-        layers: int,
-        spec_for: Callable[[int, int, int, int], tuple[RunnerSpec, int]],
+        layout: Layout,
         kv_budget_bytes: int,
         attn_keys: int,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
-        """spec_for(generation, stage, layer_start, layer_end) -> (runner spec, threads)."""
+        """on_change: called (outside the lock) after the state changed phase or generation."""
         self.config = config
-        self.keys = Keys(instance)
-        self.ranges = split_layers(layers, config.stages)
-        self.spec_for = spec_for
+        self.keys = keys
+        self.layout = layout
         self.kv_budget_bytes = kv_budget_bytes
+        self.kv_bytes_per_token = 0
         self.state = st.InstanceState(stages=config.stages)
         st.set_attention_scale(self.state, attn_keys)
+        self.launches: list[Launch] = []  # the current generation's
+        self.term = 0  # the master's term, stamped on commands (node agents obey the highest they saw)
+        self._on_change = on_change
         self._session = session
         self._cond = threading.Condition()
         self._stopping = False
+        self._adopted: tuple[int, int] | None = None
         self._inbox = Inbox(session, name="controller")
         self._inbox.subscribe(self.keys.status_any, m.STATUS, "status")
         self._inbox.subscribe(self.keys.reports, m.STATUS, "reports")
-        self._agent = Outbox(session, self.keys.agent)
+        self._agents: dict[str, Outbox] = {}  # every node agent this instance ever used
         self._updates = Outbox(session, self.keys.updates)
         self._outgoing: list[tuple[Outbox, Any]] = []  # decided under the lock, sent after it
         self._thread = threading.Thread(target=self._run, daemon=True, name="instance-controller")
@@ -59,8 +72,15 @@ class InstanceController:
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
     def start(self, wait_for: float) -> None:
-        self._agent.wait_matched(wait_for)
         self._updates.wait_matched(wait_for)
+        self._thread.start()
+
+    def adopt(self, generation: int, stages: int, agent_keys: list[str], kv_bytes_per_token: int) -> None:
+        """Take over a generation that serves already (a new master), instead of launching one."""
+        self._adopted = (generation, stages)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        for key in agent_keys:
+            self._agent(key)
         self._thread.start()
 
     def wait_settled(self, timeout: float) -> st.Phase:
@@ -80,23 +100,31 @@ class InstanceController:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         if serving:
-            control = Outbox(self._session, Keys(self.keys.instance, generation).control, generation)
+            control = Outbox(self._session, self.keys.at(generation).control, generation)
             try:
                 control.send(m.Shutdown())
             except Exception:
                 pass
             control.close()
-        try:
-            self._agent.send(m.StopGeneration(instance=self.keys.instance, keep=-1, grace_s=grace_s))
-        except Exception:
-            pass
+        for agent in list(self._agents.values()):
+            try:
+                stop = m.StopGeneration(instance=self.keys.instance, keep=-1, grace_s=grace_s, term=self.term)
+                agent.send(stop)
+            except Exception:
+                pass
+            agent.close()
+        self._updates.close()
         self._inbox.close()
 
     # ---- loop --------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         with self._cond:
-            self._launch(time.monotonic())
+            if self._adopted is not None:
+                st.adopt(self.state, *self._adopted, time.monotonic())
+                self._say(self._serving())
+            else:
+                self._launch(time.monotonic())
         self._flush()
         while True:
             try:
@@ -111,6 +139,7 @@ class InstanceController:
                 envs = [first] if first is not None else []
                 while (more := self._inbox.get_nowait()) is not None:
                     envs.append(more)
+                before = (self.state.phase, self.state.generation)
                 for env in envs:
                     st.apply(self.state, env.message, env.generation, env.received_at)
                 self._cond.notify_all()
@@ -120,7 +149,10 @@ class InstanceController:
                     log.exception("controller step failed")
                     self._give_up(f"controller failed: {type(exc).__name__}: {exc}")
                 done = self.state.phase == "failed"
+                changed = before != (self.state.phase, self.state.generation) or bool(envs)
             self._flush()
+            if changed:
+                self._on_change()
             if done:
                 return
 
@@ -137,29 +169,40 @@ class InstanceController:
             s.phase = "serving"
             if s.failures and s.failures[-1].recovered_at is None:
                 s.failures[-1].recovered_at = now
-            per_token = sum(v.ready.kv_bytes_per_token for v in s.views if v.ready is not None)
+            self.kv_bytes_per_token = sum(v.ready.kv_bytes_per_token for v in s.views if v.ready is not None)
             log.info("instance %s generation %d serving", self.keys.instance, s.generation)
-            self._say(
-                m.Serving(
-                    generation=s.generation,
-                    kv_bytes_per_token=per_token,
-                    kv_budget_bytes=self.kv_budget_bytes,
-                )
-            )
+            self._say(self._serving())
+
+    def _serving(self) -> m.Serving:
+        return m.Serving(
+            generation=self.state.generation,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_budget_bytes=self.kv_budget_bytes,
+        )
 
     def _launch(self, now: float) -> None:
-        st.new_generation(self.state, now)
-        gen = self.state.generation
-        for stage, lr in enumerate(self.ranges):
-            spec, threads = self.spec_for(gen, stage, lr.start, lr.end)
-            self._command(m.StartRunner(spec=spec, threads=threads))
+        gen = self.state.generation + 1
+        try:
+            launches = self.layout(gen)
+        except LayoutError as exc:
+            self._give_up(str(exc))
+            return
+        st.new_generation(self.state, now, len(launches))
+        self.launches = launches
+        for key, start in launches:
+            self._outgoing.append((self._agent(key), start))
+
+    def _agent(self, key: str) -> Outbox:
+        if key not in self._agents:
+            self._agents[key] = Outbox(self._session, key)
+        return self._agents[key]
 
     def _on_failure(self, why: str, now: float) -> None:
         s = self.state
         log.error("instance %s generation %d: %s", self.keys.instance, s.generation, why)
         pids = [v.pid for v in s.views if v.pid is not None]
         s.failures.append(st.Failure(why, s.generation, now, time.time(), pids))
-        self._command(m.StopGeneration(instance=self.keys.instance, keep=-1))
+        self._stop_all()
         decision = st.after_failure(s, self.config, why, now)
         if isinstance(decision, st.GiveUp):
             self._give_up(decision.why)
@@ -172,12 +215,14 @@ class InstanceController:
         log.error("instance %s failed: %s", self.keys.instance, why)
         self.state.phase = "failed"
         self.state.failure = why
-        self._command(m.StopGeneration(instance=self.keys.instance, keep=-1))
+        self._stop_all()
         self._say(m.InstanceFailed(why=why))
         self._cond.notify_all()
 
-    def _command(self, message: Any) -> None:
-        self._outgoing.append((self._agent, message))
+    def _stop_all(self) -> None:
+        for agent in self._agents.values():
+            stop = m.StopGeneration(instance=self.keys.instance, keep=-1, term=self.term)
+            self._outgoing.append((agent, stop))
 
     def _say(self, message: Any) -> None:
         self._outgoing.append((self._updates, message))
@@ -188,6 +233,8 @@ class InstanceController:
             out, self._outgoing = self._outgoing, []
         for outbox, message in out:
             try:
+                if isinstance(message, m.StartRunner):
+                    outbox.wait_matched(MATCH_S)  # a node agent that just joined may not listen yet
                 outbox.send(message)
             except Exception:
                 log.exception("could not send %s on %s", type(message).__name__, outbox.key)

@@ -55,6 +55,8 @@ class StageView:
     fatal: Diagnostic | None = None
     exited: m.RunnerExited | None = None
     stopped: bool = False
+    weights: m.WeightsProgress | None = None  # copying weights from a peer before the runner starts
+    progress_at: float = 0.0  # last sign of bring-up progress (weights copied, runner loading)
 
 
 @dataclass
@@ -89,7 +91,11 @@ class InstanceState:
             self.speeds = [Speed() for _ in range(self.stages)]
 
 
-def new_generation(state: InstanceState, now: float) -> None:
+def new_generation(state: InstanceState, now: float, stages: int | None = None) -> None:
+    """A new generation of `stages` stages (a re-placement may change their number)."""
+    if stages is not None and stages != state.stages:
+        state.stages = stages
+        state.speeds = [Speed(attn_keys=state.speeds[0].attn_keys) for _ in range(stages)]
     state.generation += 1
     state.phase = "starting"
     state.started_at = now
@@ -97,9 +103,30 @@ def new_generation(state: InstanceState, now: float) -> None:
     state.views = [StageView() for _ in range(state.stages)]
 
 
+def adopt(state: InstanceState, generation: int, stages: int, now: float) -> None:
+    """Take over a generation that serves already (a new master): heartbeats judge it from now on."""
+    new_generation(state, now, stages)
+    state.generation = generation
+    state.phase = "serving"
+    for v in state.views:
+        v.alive, v.last_heard = True, now
+
+
+def stage_phase(view: StageView) -> str:
+    """What a stage is doing during bring-up, in the words the cluster view uses."""
+    if view.ready is not None:
+        return "ready"
+    if view.alive:
+        return "warming" if view.heartbeat is not None and view.heartbeat.phase == "ready" else "loading"
+    if view.weights is not None:
+        return "weights"
+    return "starting" if view.pid is not None else "placed"
+
+
 def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -> None:
     """Fold one status message in. Messages of another generation or stage are counted and dropped."""
-    gen = getattr(msg, "generation", generation)
+    gen = getattr(msg, "generation", None)
+    gen = generation if gen is None else gen
     stage = getattr(msg, "stage", None)
     if isinstance(msg, m.Resubmitted):
         if gen == state.generation and state.failures:
@@ -125,12 +152,17 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
     if isinstance(msg, m.RunnerDiagnostic):
         view.fatal = view.fatal or msg.diagnostic
         return
+    if isinstance(msg, m.WeightsProgress):
+        view.weights = msg
+        view.progress_at = max(view.progress_at, received_at)
+        return
     # From the runner itself: it is alive, and this is when we last heard it.
     view.alive = True
     view.last_heard = max(view.last_heard, received_at)
     speed = state.speeds[stage]
     if isinstance(msg, m.Loading):
         view.pid = msg.pid
+        view.progress_at = max(view.progress_at, received_at)  # weights in place: the load itself starts
     elif isinstance(msg, m.Ready):
         view.ready = msg
         for t in msg.warmup:
@@ -186,9 +218,12 @@ def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None
                 )
     if state.fault is not None:
         return f"lost message: {state.fault}"
-    if state.phase == "starting" and now - state.started_at > cfg.load_timeout:
-        waiting = [s for s, v in enumerate(state.views) if v.ready is None]
-        return f"stages {waiting} not ready within {cfg.load_timeout:.0f}s"
+    if state.phase == "starting":
+        # Bring-up is judged from its last sign of progress: copying a large stage is slow, not dead.
+        last = max([state.started_at, *(v.progress_at for v in state.views if v.ready is None)])
+        if now - last > cfg.load_timeout:
+            waiting = [s for s, v in enumerate(state.views) if v.ready is None]
+            return f"stages {waiting} made no progress towards ready for {cfg.load_timeout:.0f}s"
     return None
 
 

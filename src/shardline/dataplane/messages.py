@@ -209,6 +209,7 @@ class RunnerFailed(Wire):
     stage: int
     reason: Literal["load", "deadline", "transport", "protocol", "compute"]
     message: str
+    generation: int | None = None  # set when a node agent reports it for a runner that never started
 
 
 class RunnerStarted(Wire):
@@ -250,6 +251,17 @@ class RunnerDiagnostic(Wire):
     diagnostic: Diagnostic
 
 
+class WeightsProgress(Wire):
+    """Node agent: the stage's weights are being copied from a peer (bring-up is progressing, not stuck)."""
+
+    kind: Literal["weights_progress"] = "weights_progress"
+    generation: int
+    stage: int
+    done: int
+    total: int
+    source: str = ""
+
+
 class GenerationFault(Wire):
     """Front: the generation lost a message (a token gap, a request the leader no longer holds)."""
 
@@ -275,6 +287,7 @@ RunnerStatus = Annotated[
     | RunnerExited
     | RunnerStopped
     | RunnerDiagnostic
+    | WeightsProgress
     | GenerationFault
     | Resubmitted,
     Field(discriminator="kind"),
@@ -289,6 +302,8 @@ class StartRunner(Wire):
     kind: Literal["start_runner"] = "start_runner"
     spec: RunnerSpec
     threads: int = 1
+    sources: list[str] = []  # nodes holding the model's files, for a node that lacks them
+    term: int = 0  # the master's term: a node obeys the highest it has seen
 
 
 class StopGeneration(Wire):
@@ -298,6 +313,7 @@ class StopGeneration(Wire):
     instance: str
     keep: int = -1
     grace_s: float = 0.0
+    term: int = 0
 
 
 AgentCommand = Annotated[StartRunner | StopGeneration, Field(discriminator="kind")]

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zenoh
@@ -31,18 +32,36 @@ class TransportError(RuntimeError):
     pass
 
 
-def session_config(listen: list[str], connect: list[str]) -> zenoh.Config:
+@dataclass(frozen=True)
+class Link:
+    """How a session joins its cluster: transport lease, multicast scouting, the shared secret."""
+
+    lease_ms: int = 2000  # a peer silent this long is gone (zenoh's default is 10 s)
+    multicast_interface: str | None = None  # None: multicast scouting off (peers named explicitly)
+    secret_file: str | None = None  # "user:password"; a peer without the same secret cannot connect
+
+
+def session_config(listen: list[str], connect: list[str], link: Link | None = None) -> zenoh.Config:
+    link = link or Link()
     config = zenoh.Config()
     config.insert_json5("mode", '"peer"')
-    # Multicast scouting would announce us on the machine's real interfaces: peers are named explicitly.
-    config.insert_json5("scouting/multicast/enabled", "false")
+    # Multicast scouting would announce us on the machine's real interfaces unless an interface is named.
+    config.insert_json5("scouting/multicast/enabled", json.dumps(link.multicast_interface is not None))
+    if link.multicast_interface is not None:
+        config.insert_json5("scouting/multicast/interface", json.dumps(link.multicast_interface))
     config.insert_json5("listen/endpoints", json.dumps(listen))
     config.insert_json5("connect/endpoints", json.dumps(connect))
+    config.insert_json5("transport/link/tx/lease", str(link.lease_ms))
+    config.insert_json5("transport/link/tx/keep_alive", "4")
+    if link.secret_file is not None:
+        user, password = Path(link.secret_file).read_text().strip().split(":", 1)
+        auth = {"user": user, "password": password, "dictionary_file": link.secret_file}
+        config.insert_json5("transport/auth/usrpwd", json.dumps(auth))
     return config
 
 
-def open_session(listen: list[str], connect: list[str]) -> zenoh.Session:
-    return zenoh.open(session_config(listen, connect))
+def open_session(listen: list[str], connect: list[str], link: Link | None = None) -> zenoh.Session:
+    return zenoh.open(session_config(listen, connect, link))
 
 
 @dataclass(frozen=True)
@@ -51,10 +70,14 @@ class Keys:
 
     instance: str
     generation: int = 0
+    namespace: str = "shardline"  # the cluster's: clusters with different namespaces never see each other
 
     @property
     def base(self) -> str:
-        return f"shardline/{self.instance}"
+        return f"{self.namespace}/i/{self.instance}"
+
+    def at(self, generation: int) -> Keys:
+        return Keys(self.instance, generation, self.namespace)
 
     @property
     def root(self) -> str:
@@ -86,10 +109,6 @@ class Keys:
     @property
     def reports(self) -> str:
         return f"{self.base}/reports"  # node agents and fronts -> controller
-
-    @property
-    def agent(self) -> str:
-        return f"{self.base}/agent"  # controller -> node agent
 
     @property
     def updates(self) -> str:

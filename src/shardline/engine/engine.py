@@ -20,14 +20,15 @@ from typing import Literal
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardline.compute.shard import check_architecture
-from shardline.controller.controller import InstanceController
+from shardline.cluster.keys import ClusterKeys
+from shardline.compute.shard import check_architecture, split_layers
+from shardline.controller.controller import InstanceController, Launch
 from shardline.controller.state import ControllerConfig, Failure
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, open_session
 from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
 from shardline.front.front import Front, ModelLimits
-from shardline.node.agent import NodeAgent
+from shardline.node.agent import NodeAgent, stage_log
 from shardline.runner.spec import Fault, RunnerSpec
 
 __all__ = ["ContextLengthError", "Engine", "EngineConfig", "EngineError", "OverloadError", "RequestError"]
@@ -119,10 +120,12 @@ class Engine:
         self.endpoint = f"tcp/{config.host}:{_free_port(config.host)}"
         self.session = open_session([self.endpoint], [])
         self.kv_budget_bytes = config.kv_budget_bytes or int(psutil.virtual_memory().available * 0.5)
-        self.agent = NodeAgent(self.session, self.instance, self.log_dir)
+        self.instance_keys = Keys(self.instance)
+        self.agent_key = agent_key = ClusterKeys().agent(f"local-{self.instance}")
+        self.agent = NodeAgent(self.session, agent_key, self.log_dir)
         limits = ModelLimits(int(self.model_config.get("vocab_size") or 2**31), self.context_length)
         self.front = Front(
-            self.session, self.instance, limits, max_queue=config.max_queue, resume=config.resume
+            self.session, self.instance_keys, limits, max_queue=config.max_queue, resume=config.resume
         )
         # Requests go to the front as they are: one piece of code validates and submits for every caller.
         self.submit = self.front.submit
@@ -131,16 +134,23 @@ class Engine:
         self.controller = (
             InstanceController(
                 self.session,
-                self.instance,
+                self.instance_keys,
                 config.controller(),
-                self.layers,
-                self._spec_for,
+                lambda generation: self._layout(agent_key, generation),
                 self.kv_budget_bytes,
                 attn_keys=6 * hidden,
             )
             if 1 <= config.stages <= self.layers
             else None
         )
+
+    def _layout(self, agent_key: str, generation: int) -> list[Launch]:
+        """Every stage on this machine's agent, the layers split evenly."""
+        launches = []
+        for stage, lr in enumerate(split_layers(self.layers, self.config.stages)):
+            spec, threads = self._spec_for(generation, stage, lr.start, lr.end)
+            launches.append((agent_key, m.StartRunner(spec=spec, threads=threads)))
+        return launches
 
     def _spec_for(self, generation: int, stage: int, start: int, end: int) -> tuple[RunnerSpec, int]:
         cfg = self.config
@@ -243,7 +253,10 @@ class Engine:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.instance, self.generation)
+        return self.instance_keys.at(self.generation)
+
+    def stage_log(self, stage: int) -> Path:
+        return stage_log(self.log_dir, self.instance, stage)
 
     def runner_pids(self) -> list[int]:
         """The current generation's runner processes, by stage."""

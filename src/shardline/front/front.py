@@ -45,7 +45,7 @@ class Front:
     def __init__(
         self,
         session: zenoh.Session,
-        instance: str,
+        keys: Keys,
         limits: ModelLimits,
         *,
         max_queue: int = 256,
@@ -58,7 +58,7 @@ class Front:
         self.max_queue = max_queue
         self.resume = resume
         self.match_timeout = match_timeout
-        self.keys = Keys(instance)
+        self.keys = keys
         self._session = session
         self._lock = threading.Lock()  # the request table and generation; never held while sending
         self._send_lock = threading.Lock()  # control seq and put order agree
@@ -246,7 +246,7 @@ class Front:
         if isinstance(msg, m.Serving | m.Recovering):
             self._newest = msg.generation
         if isinstance(msg, m.Serving):
-            control = Outbox(self._session, Keys(self.keys.instance, msg.generation).control, msg.generation)
+            control = Outbox(self._session, self.keys.at(msg.generation).control, msg.generation)
             try:
                 control.wait_matched(self.match_timeout)
             except DeadlineExceeded as exc:

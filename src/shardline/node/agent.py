@@ -1,8 +1,9 @@
 """The node agent: starts and kills runner processes, pumps and classifies their output, reports exits.
 
-It knows nothing of requests. Commands arrive on the agent key (StartRunner, StopGeneration); what it sees
-goes back as typed status on the instance's reports key (RunnerStarted, RunnerExited with code, signal and
-log tail, RunnerDiagnostic for fatal lines). One per machine; `shardline node` will host it.
+It knows nothing of requests. Commands arrive on the node's agent key (StartRunner, StopGeneration); what it
+sees goes back as typed status on the instance's reports key (RunnerStarted, RunnerExited with code, signal
+and log tail, RunnerDiagnostic for fatal lines, WeightsProgress while a stage's weights are copied from a
+peer). One per machine, for every instance it runs a stage of; `shardline node` hosts it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,17 +47,35 @@ class _Runner:
     pump: threading.Thread
 
 
+RunnerKey = tuple[str, int, int]  # instance, generation, stage
+
+
 class NodeAgent:
-    def __init__(self, session: zenoh.Session, instance: str, log_dir: Path) -> None:
+    """agent_key: where commands arrive. fetch: how a spec without a model_dir gets one (the node resolves
+    the model name, copying the stage's weights from a peer if needed); without it, specs name a model_dir.
+    obey: whether a command of this master term is to be obeyed (a node follows the highest term seen)."""
+
+    def __init__(
+        self,
+        session: zenoh.Session,
+        agent_key: str,
+        log_dir: Path,
+        *,
+        fetch: Callable[[m.StartRunner, Callable[[int, int, str], None]], Path] | None = None,
+        obey: Callable[[int], bool] = lambda term: True,
+    ) -> None:
         self.session = session
-        self.keys = Keys(instance)
         self.log_dir = Path(log_dir)
-        self._runners: dict[tuple[int, int], _Runner] = {}  # (generation, stage) -> runner
+        self._fetch = fetch
+        self._obey = obey
+        self._runners: dict[RunnerKey, _Runner] = {}
+        self._pending: set[RunnerKey] = set()  # fetching weights before the process starts
+        self._cancelled: set[RunnerKey] = set()  # stopped while fetching: never started
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._inbox = Inbox(session, name="agent")
-        self._inbox.subscribe(self.keys.agent, m.AGENT, "agent")
-        self._reports = Outbox(session, self.keys.reports)
+        self._inbox.subscribe(agent_key, m.AGENT, "agent")
+        self._reports: dict[tuple[str, str], Outbox] = {}  # (namespace, instance) -> reports outbox
         self._thread = threading.Thread(target=self._serve, daemon=True, name="node-agent")
 
     def start(self) -> NodeAgent:
@@ -68,19 +88,28 @@ class NodeAgent:
                 env = self._inbox.get(timeout=0.2)
             except DeadlineExceeded:
                 continue  # idle: the tick only notices close()
+            msg = env.message
+            if not self._obey(msg.term):
+                self._inbox.drop(f"{msg.kind} of an old master's term {msg.term}")
+                continue
             try:
-                if isinstance(env.message, m.StartRunner):
-                    self._start(env.message)
-                elif isinstance(env.message, m.StopGeneration):
-                    self._stop(env.message.keep, env.message.grace_s)
+                if isinstance(msg, m.StartRunner):
+                    self._start(msg)
+                elif isinstance(msg, m.StopGeneration):
+                    self.stop_instance(msg.instance, msg.keep, msg.grace_s)
             except Exception:  # one bad command must not end the agent
-                log.exception("agent command %s failed", type(env.message).__name__)
+                log.exception("agent command %s failed", type(msg).__name__)
 
-    def _report(self, message: object) -> None:
+    def _report(self, spec: m.RunnerSpec, message: object) -> None:
         if self._closed.is_set():
             return  # shutting down: nobody judges these any more
+        key = (spec.namespace, spec.instance)
         try:
-            self._reports.send(message)
+            with self._lock:
+                if key not in self._reports:
+                    self._reports[key] = Outbox(self.session, Keys(spec.instance, 0, spec.namespace).reports)
+                outbox = self._reports[key]
+            outbox.send(message)
         except Exception as exc:
             log.warning("could not report %s: %s", type(message).__name__, exc)
 
@@ -88,22 +117,59 @@ class NodeAgent:
         spec = cmd.spec
         if self._closed.is_set():
             return
-        spec = spec.model_copy(update={"parent_pid": os.getpid()})
-        proc = spawn_runner(spec, cmd.threads)
-        runner_log = RotatingLog(self.log_dir / f"stage{spec.stage}.log")
-
-        def on_diagnostic(diag: Diagnostic) -> None:
-            log.warning("stage %s: %s %s", diag.stage, diag.kind, diag.line)
-            if diag.fatal:
-                self._report(
-                    m.RunnerDiagnostic(generation=spec.generation, stage=spec.stage, diagnostic=diag)
-                )
-
-        pump = pump_stream(proc.stdout, spec.stage, runner_log, LineClassifier(spec.stage), on_diagnostic)
-        runner = _Runner(spec, proc, runner_log, pump)
+        if spec.model_dir or self._fetch is None:
+            self._spawn(spec, cmd.threads)
+            return
+        key = (spec.instance, spec.generation, spec.stage)
         with self._lock:
-            self._runners[(spec.generation, spec.stage)] = runner
-        self._report(m.RunnerStarted(generation=spec.generation, stage=spec.stage, pid=proc.pid))
+            self._pending.add(key)
+        # Copying weights takes a while: it runs beside the agent, which keeps obeying other commands.
+        threading.Thread(target=self._fetch_then_spawn, args=(cmd, key), daemon=True).start()
+
+    def _fetch_then_spawn(self, cmd: m.StartRunner, key: RunnerKey) -> None:
+        spec = cmd.spec
+
+        def progress(done: int, total: int, source: str) -> None:
+            beat = m.WeightsProgress(
+                generation=spec.generation, stage=spec.stage, done=done, total=total, source=source
+            )
+            self._report(spec, beat)
+
+        try:
+            assert self._fetch is not None
+            model_dir = self._fetch(cmd, progress)
+        except Exception as exc:
+            log.error("stage %d of %s: no weights: %s", spec.stage, spec.instance, exc)
+            failed = m.RunnerFailed(stage=spec.stage, reason="load", message=f"weights: {exc}")
+            self._report(spec, failed.model_copy(update={"generation": spec.generation}))
+            return
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+                gone = key in self._cancelled
+                self._cancelled.discard(key)
+        if not gone:
+            self._spawn(spec.model_copy(update={"model_dir": str(model_dir)}), cmd.threads)
+
+    def _spawn(self, spec: m.RunnerSpec, threads: int) -> None:
+        spec = spec.model_copy(update={"parent_pid": os.getpid()})
+        key = (spec.instance, spec.generation, spec.stage)
+        with self._lock:
+            if self._closed.is_set():
+                return
+            proc = spawn_runner(spec, threads)  # under the lock: close() cannot miss it
+            runner_log = RotatingLog(stage_log(self.log_dir, spec.instance, spec.stage))
+
+            def on_diagnostic(diag: Diagnostic) -> None:
+                log.warning("stage %s: %s %s", diag.stage, diag.kind, diag.line)
+                if diag.fatal:
+                    fatal = m.RunnerDiagnostic(generation=spec.generation, stage=spec.stage, diagnostic=diag)
+                    self._report(spec, fatal)
+
+            pump = pump_stream(proc.stdout, spec.stage, runner_log, LineClassifier(spec.stage), on_diagnostic)
+            runner = _Runner(spec, proc, runner_log, pump)
+            self._runners[key] = runner
+        self._report(spec, m.RunnerStarted(generation=spec.generation, stage=spec.stage, pid=proc.pid))
         threading.Thread(target=self._wait, args=(runner,), daemon=True, name=f"wait-{proc.pid}").start()
 
     def _wait(self, runner: _Runner) -> None:
@@ -118,32 +184,45 @@ class NodeAgent:
             # A stopped process sends nothing, not even what it queued before the signal: say so at once.
             if not stopped_reported and _is_stopped(runner.proc.pid):
                 stopped_reported = True
-                self._report(
-                    m.RunnerStopped(generation=spec.generation, stage=spec.stage, pid=runner.proc.pid)
-                )
+                stopped = m.RunnerStopped(generation=spec.generation, stage=spec.stage, pid=runner.proc.pid)
+                self._report(spec, stopped)
         runner.pump.join(timeout=5)  # its last lines, for the tail
         runner.log.close()
         with self._lock:
-            self._runners.pop((spec.generation, spec.stage), None)
-        self._report(
-            m.RunnerExited(
-                generation=spec.generation,
-                stage=spec.stage,
-                pid=runner.proc.pid,
-                code=code if code >= 0 else None,
-                signal=-code if code < 0 else None,
-                log_tail=runner.log.tail(TAIL_LINES),
-            )
+            self._runners.pop((spec.instance, spec.generation, spec.stage), None)
+        exited = m.RunnerExited(
+            generation=spec.generation,
+            stage=spec.stage,
+            pid=runner.proc.pid,
+            code=code if code >= 0 else None,
+            signal=-code if code < 0 else None,
+            log_tail=runner.log.tail(TAIL_LINES),
         )
+        self._report(spec, exited)
 
-    def _stop(self, keep: int, grace_s: float) -> None:
+    def stop_instance(self, instance: str, keep: int = -1, grace_s: float = 0.0) -> None:
+        """Stop the instance's runners of every generation but `keep` (-1: all), fetches included."""
         with self._lock:
-            doomed = [r for (gen, _), r in self._runners.items() if gen != keep]
+            doomed = [r for (i, g, _), r in self._runners.items() if i == instance and g != keep]
+            self._cancelled |= {k for k in self._pending if k[0] == instance and k[1] != keep}
         stop_runners([r.proc for r in doomed], grace=grace_s)
 
-    def pids(self, generation: int) -> list[int]:
+    def held(self) -> list[tuple[RunnerKey, m.RunnerSpec, int]]:
+        """(instance, generation, stage), spec and pid of every runner process alive here."""
         with self._lock:
-            found = sorted((s, r.proc.pid) for (g, s), r in self._runners.items() if g == generation)
+            return [(k, r.spec, r.proc.pid) for k, r in self._runners.items()]
+
+    def pending(self) -> list[RunnerKey]:
+        with self._lock:
+            return sorted(self._pending - self._cancelled)
+
+    def pids(self, generation: int, instance: str | None = None) -> list[int]:
+        with self._lock:
+            found = sorted(
+                (s, r.proc.pid)
+                for (i, g, s), r in self._runners.items()
+                if g == generation and instance in (None, i)
+            )
         return [pid for _, pid in found]
 
     def all_pids(self) -> list[int]:
@@ -152,17 +231,20 @@ class NodeAgent:
 
     def close(self, grace_s: float = 0.0) -> None:
         """Stop accepting commands and stop every runner; returns once they are reaped."""
-        self._closed.set()
         with self._lock:
+            self._closed.set()  # under the lock: no spawn can start after this
             procs = [r.proc for r in self._runners.values()]
         stop_runners(procs, grace=grace_s)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        # A StartRunner that raced close() may have spawned after the snapshot: reap it too.
-        with self._lock:
-            late = [r.proc for r in self._runners.values()]
-        stop_runners(late, grace=0)
         self._inbox.close()
+        for outbox in list(self._reports.values()):
+            outbox.close()
+
+
+def stage_log(log_dir: Path, instance: str, stage: int) -> Path:
+    """One rotating log per stage of an instance; every generation appends to it."""
+    return Path(log_dir) / instance / f"stage{stage}.log"
 
 
 def signal_name(number: int | None) -> str:

@@ -40,7 +40,7 @@ def step_phase(step: m.Step) -> str:
 class Runner:
     def __init__(self, spec: RunnerSpec) -> None:
         self.spec = spec
-        self.keys = Keys(spec.instance, spec.generation)
+        self.keys = Keys(spec.instance, spec.generation, spec.namespace)
         self.session = open_session(spec.listen, spec.connect)
         self.inbox = Inbox(self.session, spec.generation, name=f"stage {spec.stage}")
         self.inbox.subscribe(self.keys.ring(spec.stage), m.RING, "ring")

@@ -31,7 +31,9 @@ class RunnerSpec(BaseModel):
     generation: int
     stage: int
     stages: int
-    model_dir: str
+    model_dir: str  # on the node that runs it; a node agent fills it in from `model` when empty
+    model: str = ""  # the model's name across the cluster (a node without its files fetches the stage)
+    namespace: str = "shardline"
     layer_start: int
     layer_end: int
     layer_total: int

@@ -39,6 +39,30 @@ def resolve(model: str | None) -> Path:
     return resolve_model(model)
 
 
+def _encode(tokenizer: object, prompt: str, raw: bool) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) and not raw:
+        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+    return tokenizer.encode(prompt)  # type: ignore[attr-defined]
+
+
+def _stream(handle: object, tokenizer: object) -> None:
+    detok = tokenizer.detokenizer  # type: ignore[attr-defined]
+    detok.reset()
+    try:
+        for tok in handle:  # type: ignore[attr-defined]
+            detok.add_token(tok.token)
+            sys.stdout.write(detok.last_segment)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        handle.cancel()  # type: ignore[attr-defined]
+        raise
+    detok.finalize()
+    sys.stdout.write(detok.last_segment + "\n")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -50,13 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _positive(args.max_tokens, "--max-tokens")
     model_dir = resolve(args.model)
     tokenizer = load_tokenizer(model_dir)
-    if tokenizer.chat_template and not args.raw:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-    else:
-        ids = tokenizer.encode(args.prompt)
+    ids = _encode(tokenizer, args.prompt, args.raw)
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -65,6 +83,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         **({"seed": args.seed} if args.seed is not None else {}),
     )
+    stops = list(tokenizer.eos_token_ids)
+    if args.cluster:
+        from shardline.cluster.cli import generate_on_cluster
+
+        return generate_on_cluster(
+            args, model_dir.name, ids, sampling, stops, lambda h: _stream(h, tokenizer)
+        )
     config = EngineConfig(
         model_dir=model_dir,
         stages=args.stages,
@@ -74,21 +99,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(config)
     try:
         engine.start()
-        handle = engine.submit(
-            ids, max_tokens=args.max_tokens, sampling=sampling, stop_tokens=list(tokenizer.eos_token_ids)
-        )
-        detok = tokenizer.detokenizer
-        detok.reset()
-        try:
-            for tok in handle:
-                detok.add_token(tok.token)
-                sys.stdout.write(detok.last_segment)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            handle.cancel()
-            raise
-        detok.finalize()
-        sys.stdout.write(detok.last_segment + "\n")
+        handle = engine.submit(ids, max_tokens=args.max_tokens, sampling=sampling, stop_tokens=stops)
+        _stream(handle, tokenizer)
     finally:
         engine.shutdown()
     return 0
@@ -150,8 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument(
+        "--cluster", metavar="ENDPOINT", default=None, help="send through a cluster (e.g. tcp/127.0.0.1:7447)"
+    )
+    gen.add_argument("--namespace", default="shardline")
+    gen.add_argument("--cluster-key-file", type=Path, default=None)
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
+
+    from shardline.cluster.cli import add_commands
+
+    add_commands(sub)
 
     models = sub.add_parser("models", help="manage local models")
     msub = models.add_subparsers(dest="models_command", required=True)

@@ -71,8 +71,10 @@ class InstanceController:
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
-    def start(self, wait_for: float) -> None:
-        self._updates.wait_matched(wait_for)
+    def start(self, wait_for: float | None = None) -> None:
+        """wait_for: how long to wait for a front to listen (a local engine has one from the start)."""
+        if wait_for is not None:
+            self._updates.wait_matched(wait_for)
         self._thread.start()
 
     def adopt(self, generation: int, stages: int, agent_keys: list[str], kv_bytes_per_token: int) -> None:
@@ -88,6 +90,23 @@ class InstanceController:
         with self._cond:
             self._cond.wait_for(lambda: self.state.phase in ("serving", "failed", "stopped"), timeout)
             return self.state.phase
+
+    def fault(self, generation: int, why: str) -> None:
+        """Someone else saw this generation break (its node left the cluster): recover it."""
+        with self._cond:
+            if generation == self.state.generation and self.state.fault is None:
+                self.state.fault = why
+
+    def detach(self) -> None:
+        """Stop judging and leave every runner as it is: a new master takes the instance over."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        for outbox in [*self._agents.values(), self._updates]:
+            outbox.close()
+        self._inbox.close()
 
     def stop(self, grace_s: float) -> None:
         """Stop judging, ask the leader to stop the ring, then have the agent stop every runner."""

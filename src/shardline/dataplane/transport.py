@@ -215,6 +215,10 @@ class Inbox:
 
         self._subs.append(self._session.declare_subscriber(key, on_sample))
 
+    def inject(self, source: str, message: Any) -> None:
+        """Queue a message as if it had arrived (what a late receiver learns from elsewhere)."""
+        self._queue.put(Envelope(source, message, None))
+
     def get(self, timeout: float | None) -> Envelope:
         """Wait for the next message; timeout None means an idle wait, which has no deadline."""
         try:

@@ -153,6 +153,10 @@ class Front:
         if control is not None:
             self._send(control, lambda seq: m.Cancel(front=self.name, seq=seq, request_id=request_id))
 
+    def announce(self, update: Any) -> None:
+        """An instance update learnt elsewhere (the cluster view): handled in order with the others."""
+        self._inbox.inject("updates", update)
+
     def close(self, why: str = "engine shut down") -> None:
         with self._lock:
             self.closed = True
@@ -243,6 +247,8 @@ class Front:
     def _on_update(self, msg: Any) -> None:
         if isinstance(msg, m.Serving | m.Recovering) and msg.generation < self._newest:
             return  # generations only move forward: an older one's word is stale
+        if isinstance(msg, m.Serving) and msg.generation == self.generation:
+            return  # told twice (by the controller and by the view): already serving it
         if isinstance(msg, m.Serving | m.Recovering):
             self._newest = msg.generation
         if isinstance(msg, m.Serving):

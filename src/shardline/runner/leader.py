@@ -13,7 +13,7 @@ from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.transport import DeadlineExceeded
+from shardline.dataplane.transport import DeadlineExceeded, Envelope
 from shardline.runner import schedule
 from shardline.runner.deadline import Speed
 from shardline.runner.worker import WARMUP_ID, ProtocolError
@@ -40,6 +40,7 @@ class Leader:
         self.reserved: dict[str, int] = {}
         self.in_flight: OrderedDict[int, InFlight] = OrderedDict()  # step seq -> step, oldest first
         self.seen: dict[str, int] = {}  # front -> last control seq
+        self.early: list[Envelope] = []  # control messages that arrived during warm-up
         self.stage_speed = [Speed(attn_keys=runner.speed.attn_keys) for _ in range(self.spec.stages)]
         own_layers = self.spec.layer_end - self.spec.layer_start
         self.kv_bytes_per_token = self.worker.kv_bytes_per_token * self.spec.layer_total // own_layers
@@ -84,6 +85,9 @@ class Leader:
                 if isinstance(msg, m.StepResult) and msg.seq == self.seq:
                     self._observe(step, msg.trace)
                     break
+                if env.source == "control":
+                    self.early.append(env)  # a front that heard early: served, in order, once warm
+                    continue
                 self.r.inbox.drop(f"{msg.kind} during ring warm-up")
         self.worker.release(WARMUP_ID)
         if self.r.downstream is not None:
@@ -107,6 +111,9 @@ class Leader:
     # ---- loop -------------------------------------------------------------------------------------------
 
     def serve(self) -> None:
+        for env in self.early:
+            self.handle(env)
+        self.early.clear()
         while True:
             timeout = None
             if self.in_flight:

@@ -88,8 +88,9 @@ class Runner:
         if spec.is_leader:
             from shardline.runner.leader import Leader
 
+            # Not waiting for a front to listen: in a cluster, fronts come and go; a front subscribes to
+            # events before it submits anything, so nothing it needs can be missed.
             self.events = Outbox(self.session, self.keys.events, spec.generation)
-            self.events.wait_matched(spec.load_timeout)
             self.leader = Leader(self)
             self.leader.warm_ring()  # the whole ring works, and the leader knows every stage's speed
         self.status.send(

@@ -1,0 +1,5 @@
+import sys
+
+from shardline.cli import main
+
+sys.exit(main())

@@ -1,0 +1,251 @@
+"""The cluster's commands: `shardline node`, `up`, `place`, and generating through a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 7447
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM; returns the signal number."""
+    got: list[int] = []
+    done = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        got.append(signum)
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    while not done.wait(1.0):  # wakes for signals; the period is not a synchronisation
+        pass
+    return got[0]
+
+
+def _secret_file(args: argparse.Namespace) -> Path | None:
+    """--cluster-key (a string) is written to a private file, which zenoh's authentication reads."""
+    if getattr(args, "cluster_key", None):
+        fd, path = tempfile.mkstemp(prefix="shardline-key-")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"shardline:{args.cluster_key}\n")
+        return Path(path)
+    path = getattr(args, "cluster_key_file", None)
+    if path is not None:
+        text = Path(path).read_text().strip()
+        if ":" not in text:  # a bare secret: give it the user name zenoh wants
+            fd, tmp = tempfile.mkstemp(prefix="shardline-key-")
+            with os.fdopen(fd, "w") as f:
+                f.write(f"shardline:{text}\n")
+            return Path(tmp)
+        return Path(path)
+    return None
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from shardline.cluster.node import Node, NodeConfig, RunnerSettings
+    from shardline.cluster.resources import parse_size
+
+    runners = RunnerSettings.model_validate_json(args.runner_settings or "{}").model_copy(
+        update={"prefill_step": args.prefill_step, "max_queue": args.max_queue}
+    )
+    config = NodeConfig(
+        namespace=args.namespace,
+        listen=args.listen,
+        peers=args.peer or [],
+        multicast_interface=args.multicast_interface,
+        secret_file=_secret_file(args),
+        data_dir=args.data_dir,
+        models_dir=args.models_dir,
+        memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
+        worker=not args.no_worker,
+        name=args.name,
+        threads=args.threads,
+        lease_ms=args.lease_ms,
+        runners=runners,
+    )
+    node = Node(config).start()
+    print(f"shardline node {node.node_id} ({node.name}) listening on {node.endpoint}", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        node.close()
+    return 0
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    from shardline.cluster.client import ClusterClient
+    from shardline.cluster.placement import PlacementRequest
+
+    request = PlacementRequest(sequences=args.sequences, reserve_tokens=args.reserve_tokens)
+    with ClusterClient([args.cluster], args.namespace, _secret_file(args)) as client:
+        reply = client.place(args.model, request, dry_run=args.dry_run)
+        assert reply.placement is not None
+        for k, a in enumerate(reply.placement.stages):
+            print(
+                f"stage {k}: node {a.node_id} layers [{a.start}, {a.end}) needs {a.need_bytes / 1e9:.2f} GB "
+                f"of {a.available_bytes / 1e9:.2f} GB"
+            )
+        if not args.dry_run and reply.instance is not None:
+            rec = client.wait_ready(reply.instance.instance, args.timeout)
+            print(f"instance {rec.instance} ready (generation {rec.generation})")
+    return 0
+
+
+def start_nodes(
+    count: int, base_dir: Path, port: int, extra: list[str] | None = None, quiet: bool = True
+) -> tuple[list[subprocess.Popen], str]:
+    """`count` node daemons on loopback; the first listens on `port`, the others name it as a peer."""
+    first = f"tcp/127.0.0.1:{port}"
+    procs = []
+    for i in range(count):
+        listen = first if i == 0 else "tcp/127.0.0.1:0"
+        argv = [sys.executable, "-m", "shardline", "node", "--listen", listen, "--name", f"node-{i}"]
+        argv += ["--data-dir", str(base_dir / f"node-{i}"), "--threads", "1", *(extra or [])]
+        if i:
+            argv += ["--peer", first]
+        out = subprocess.DEVNULL if quiet else None
+        procs.append(subprocess.Popen(argv, stdout=out, start_new_session=True))
+    return procs, first
+
+
+def stop_nodes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM (each node stops its runners), then SIGKILL what is left of each process group."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from platformdirs import user_data_dir
+
+    from shardline.cli import CliError, _positive
+    from shardline.cluster.client import ClusterClient
+    from shardline.models.registry import resolve_model
+
+    _positive(args.nodes, "--nodes")
+    model_dir = resolve_model(args.model)  # import the model once, before any node reports it
+    base = Path(args.data_dir or Path(user_data_dir("shardline")) / "up")
+    extra = ["--models-dir", str(model_dir.parent)]
+    procs, endpoint = start_nodes(args.nodes, base, args.port, extra, quiet=not args.verbose)
+    try:
+        with ClusterClient([endpoint]) as client:
+            try:
+                client.wait(lambda v: sum(n.alive for n in v.nodes) >= args.nodes, 60, f"{args.nodes} nodes")
+                reply = client.place(model_dir.name)
+                assert reply.instance is not None
+                rec = client.wait_ready(reply.instance.instance, args.timeout)
+            except Exception as exc:
+                raise CliError(str(exc)) from exc
+            stages = ", ".join(f"{s.node_id}[{s.start},{s.end})" for s in rec.stages)
+            print(
+                f"shardline: {model_dir.name} ready on {args.nodes} nodes ({stages}); send prompts with: "
+                f'shardline generate --cluster {endpoint} "..."',
+                flush=True,
+            )
+            _wait_for_signal()
+    finally:
+        stop_nodes(procs)
+    return 0
+
+
+def generate_on_cluster(
+    args: argparse.Namespace,
+    model: str,
+    ids: list[int],
+    sampling: Any,
+    stops: list[int],
+    stream: Callable[[Any], None],
+) -> int:
+    from shardline.cluster.client import ClusterClient
+
+    with ClusterClient([args.cluster], args.namespace, _secret_file(args)) as client:
+        view = client.wait(lambda v: True, 10, "the cluster's view")
+        rec = next((r for r in view.instances if r.model == model and r.phase != "failed"), None)
+        if rec is None:
+            reply = client.place(model)
+            assert reply.instance is not None
+            rec = reply.instance
+        client.wait_ready(rec.instance, 600)
+        front = client.front(rec.instance)
+        handle = front.submit(ids, max_tokens=args.max_tokens, sampling=sampling, stop_tokens=stops)
+        stream(handle)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    node = sub.add_parser("node", help="run this machine's node daemon (agent, weights, master when elected)")
+    node.add_argument(
+        "--listen", default=f"tcp/127.0.0.1:{DEFAULT_PORT}", help="endpoint for peers and runners"
+    )
+    node.add_argument("--peer", action="append", help="endpoint of another node (repeatable)")
+    node.add_argument(
+        "--namespace", default="shardline", help="clusters with different namespaces never meet"
+    )
+    node.add_argument(
+        "--multicast-interface", default=None, help="discover peers by multicast on this interface"
+    )
+    node.add_argument("--cluster-key", default=None, help="shared secret: a node without it cannot join")
+    node.add_argument("--cluster-key-file", type=Path, default=None)
+    node.add_argument("--data-dir", type=Path, default=None, help="identity and logs (default: XDG data dir)")
+    node.add_argument(
+        "--models-dir", type=Path, default=None, help="models this node holds (default: the cache)"
+    )
+    node.add_argument("--memory-limit", default=None, help="memory this node offers, e.g. 24G")
+    node.add_argument("--no-worker", action="store_true", help="never hold a stage")
+    node.add_argument("--name", default=None)
+    node.add_argument("--threads", type=int, default=0, help="threads per runner (0: cores / stages)")
+    node.add_argument("--prefill-step", type=int, default=256)
+    node.add_argument("--max-queue", type=int, default=256)
+    node.add_argument("--runner-settings", default=None, help="JSON: deadlines, heartbeats, restart budget")
+    node.add_argument("--lease-ms", type=int, default=2000, help="a node silent this long has left")
+    node.add_argument(
+        "--api-port", type=int, default=8000, help="HTTP API port (served from the next release)"
+    )
+    node.set_defaults(func=cmd_node)
+
+    up = sub.add_parser("up", help="a local cluster of N node daemons serving a model")
+    up.add_argument("--nodes", type=int, default=2)
+    up.add_argument("--model", default=None)
+    up.add_argument("--port", type=int, default=DEFAULT_PORT)
+    up.add_argument("--data-dir", type=Path, default=None)
+    up.add_argument("--timeout", type=float, default=600.0)
+    up.set_defaults(func=cmd_up)
+
+    place = sub.add_parser("place", help="place a model on a running cluster (or preview with --dry-run)")
+    place.add_argument("model")
+    place.add_argument("--cluster", default=f"tcp/127.0.0.1:{DEFAULT_PORT}")
+    place.add_argument("--namespace", default="shardline")
+    place.add_argument("--cluster-key", default=None)
+    place.add_argument("--cluster-key-file", type=Path, default=None)
+    place.add_argument("--dry-run", action="store_true")
+    place.add_argument("--sequences", type=int, default=4)
+    place.add_argument("--reserve-tokens", type=int, default=None)
+    place.add_argument("--timeout", type=float, default=600.0)
+    place.set_defaults(func=cmd_place)

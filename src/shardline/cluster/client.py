@@ -1,0 +1,183 @@
+"""Talking to a cluster from outside a node (CLI, tests, benches) or from a node's own API entrance.
+
+A client holds a zenoh session connected to any node, follows the master's view, sends queries to the
+master, and owns fronts (front/front.py): the request state of what it submits lives here, so a failure of
+any node but the one this client is connected through costs a pause, never a request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import zenoh
+
+from shardline.cluster import election
+from shardline.cluster import messages as cm
+from shardline.cluster.keys import ClusterKeys
+from shardline.cluster.placement import PlacementRequest
+from shardline.dataplane import messages as m
+from shardline.dataplane.frame import decode
+from shardline.dataplane.transport import Keys, Link, open_session
+from shardline.errors import EngineError
+from shardline.front.front import Front, ModelLimits
+
+
+class ClusterError(EngineError):
+    """The cluster refused or could not do what was asked; the message says why (with numbers)."""
+
+
+class ClusterClient:
+    def __init__(
+        self,
+        connect: list[str],
+        namespace: str = "shardline",
+        secret_file: Path | None = None,
+        session: zenoh.Session | None = None,
+    ) -> None:
+        self.keys = ClusterKeys(namespace)
+        self.namespace = namespace
+        self._own_session = session is None
+        link = Link(multicast_interface=None, secret_file=str(secret_file) if secret_file else None)
+        self.session = session or open_session([], connect, link)
+        self.view: cm.ClusterView | None = None
+        self._cond = threading.Condition()
+        self._fronts: dict[str, Front] = {}
+        self._closed = False
+        self._sub = self.session.declare_subscriber(self.keys.view, self._on_view)
+
+    def _on_view(self, sample: zenoh.Sample) -> None:
+        try:
+            view, _ = decode(bytes(sample.payload.to_bytes()), cm.REPORTS)
+        except Exception:
+            return  # not obeyed, never fatal
+        if not isinstance(view, cm.ClusterView):
+            return
+        with self._cond:
+            old = self.view
+            if old is not None and not (
+                election.newer(view.term, view.master, old.term, old.master) or view.term == old.term
+            ):
+                return
+            self.view = view
+            fronts = dict(self._fronts)
+            self._cond.notify_all()
+        for rec in view.instances:
+            front = fronts.get(rec.instance)
+            if front is not None:
+                _catch_up(front, rec)
+
+    # ---- the view ------------------------------------------------------------------------------------------
+
+    def wait(self, predicate, timeout: float, what: str) -> cm.ClusterView:  # type: ignore[no-untyped-def]
+        """Wait for a view that satisfies predicate(view); ClusterError naming `what` past the timeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.view is not None and predicate(self.view), timeout):
+                raise ClusterError(f"{what} not seen within {timeout:.0f}s")
+            assert self.view is not None
+            return self.view
+
+    def instance(self, instance: str) -> cm.InstanceRecord | None:
+        view = self.view
+        return next((r for r in view.instances if r.instance == instance), None) if view else None
+
+    def wait_ready(self, instance: str, timeout: float) -> cm.InstanceRecord:
+        def ready(v: cm.ClusterView) -> bool:
+            rec = next((r for r in v.instances if r.instance == instance), None)
+            if rec is not None and rec.phase == "failed":
+                raise ClusterError(f"instance {instance} failed: {rec.why}")
+            return rec is not None and rec.phase == "ready"
+
+        self.wait(ready, timeout, f"instance {instance} ready")
+        rec = self.instance(instance)
+        assert rec is not None
+        return rec
+
+    # ---- queries to the master -----------------------------------------------------------------------------
+
+    def ask(self, query: cm.Place | cm.Remove, timeout: float = 30.0) -> cm.MasterReply:
+        """Send a query to whichever node is master; retried until one answers within the timeout."""
+        deadline = time.monotonic() + timeout
+        if not query.nonce:
+            query = query.model_copy(update={"nonce": uuid.uuid4().hex})
+        while True:
+            left = deadline - time.monotonic()
+            replies = self.session.get(
+                self.keys.query, payload=query.model_dump_json(), timeout=max(0.5, min(5, left))
+            )
+            for reply in replies:
+                if reply.ok is not None:
+                    return cm.MasterReply.model_validate_json(reply.ok.payload.to_bytes())
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"no master answered within {timeout:.0f}s")
+            self.wait(lambda v: True, max(0.1, min(1.0, deadline - time.monotonic())), "a master")
+
+    def place(
+        self, model: str, request: PlacementRequest | None = None, dry_run: bool = False
+    ) -> cm.MasterReply:
+        reply = self.ask(cm.Place(model=model, request=request or PlacementRequest(), dry_run=dry_run))
+        if not reply.ok:
+            raise ClusterError(reply.error)
+        return reply
+
+    def remove(self, instance: str) -> None:
+        reply = self.ask(cm.Remove(instance=instance))
+        if not reply.ok:
+            raise ClusterError(reply.error)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+
+    def front(self, instance: str, **kw: object) -> Front:
+        """This client's front for an instance (made once); it serves as soon as the instance is ready."""
+        with self._cond:
+            if self._closed:
+                raise EngineError("client is closed")
+            front = self._fronts.get(instance)
+            if front is None:
+                rec = self.instance(instance)
+                if rec is None:
+                    raise ClusterError(f"no instance {instance!r} in the cluster")
+                limits = ModelLimits(rec.vocab_size or 2**31, rec.context_length or 2**31)
+                front = Front(self.session, Keys(instance, 0, self.namespace), limits, **kw)  # type: ignore[arg-type]
+                front.start()
+                self._fronts[instance] = front
+            else:
+                rec = self.instance(instance)
+        if rec is not None:
+            _catch_up(front, rec)
+        return front
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            fronts = list(self._fronts.values())
+        for f in fronts:
+            f.close("client closed")
+        try:
+            self._sub.undeclare()
+            if self._own_session:
+                self.session.close()
+        except zenoh.ZError:
+            pass
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _catch_up(front: Front, rec: cm.InstanceRecord) -> None:
+    """A front that came late (or missed a message) learns from the view what the controller announced."""
+    if rec.phase == "ready" and front.generation != rec.generation:
+        front.announce(
+            m.Serving(
+                generation=rec.generation,
+                kv_bytes_per_token=rec.kv_bytes_per_token,
+                kv_budget_bytes=rec.kv_budget_bytes,
+            )
+        )
+    elif rec.phase == "failed" and front.failure is None:
+        front.announce(m.InstanceFailed(why=rec.why))

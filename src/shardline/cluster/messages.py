@@ -1,0 +1,150 @@
+"""What crosses between nodes and the master: node reports, the master's view, and queries to the master.
+
+One tagged union per channel, as in dataplane/messages.py: models ignore unknown fields so a newer node
+never wedges an older one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from shardline.cluster.placement import ModelFootprint, Placement, PlacementRequest
+from shardline.dataplane.messages import Wire
+
+InstancePhase = Literal["placed", "weights", "loading", "warming", "ready", "recovering", "failed"]
+
+
+# ---- node -> everyone: the node's own facts, republished on a period ---------------------------------------
+
+
+class Resources(Wire):
+    memory_total: int
+    memory_available: int  # what placement may use now: the --memory-limit share less what runners hold
+    memory_limit: int | None = None
+    compute_score: float  # GFLOP/s of a short float32 matmul on the node's MLX device
+    device: str
+    cpus: int
+
+
+class LocalModel(Wire):
+    """A model whose files are on the node: whole (with its footprint), or one stage's layer range."""
+
+    full: bool
+    start: int = 0
+    end: int = 0
+    footprint: ModelFootprint | None = None
+
+
+class RunnerInfo(Wire):
+    instance: str
+    generation: int
+    stage: int
+    start: int
+    end: int
+    pid: int | None = None  # None while the stage's weights are being fetched
+
+
+class NodeReport(Wire):
+    kind: Literal["node_report"] = "node_report"
+    node_id: str
+    name: str
+    endpoint: str  # where peers (and runners) connect to this node's session
+    started_at: float  # wall clock
+    resources: Resources
+    models: dict[str, LocalModel] = {}
+    runners: list[RunnerInfo] = []
+    term: int = 0  # the highest master term this node has seen: a new master learns it from reports
+    instances: list[InstanceRecord] = []  # as of the newest view it saw: nothing lives only in the master
+
+
+# ---- master -> everyone: the cluster as the master sees it -------------------------------------------------
+
+
+class StageRecord(Wire):
+    node_id: str
+    start: int
+    end: int
+    phase: str = "placed"
+    pid: int | None = None
+    weights_done: int = 0
+    weights_total: int = 0
+
+
+class InstanceRecord(Wire):
+    instance: str
+    model: str
+    generation: int = -1
+    phase: InstancePhase = "placed"
+    why: str = ""
+    stages: list[StageRecord] = []
+    request: PlacementRequest = PlacementRequest()
+    kv_bytes_per_token: int = 0
+    kv_budget_bytes: int = 0
+    vocab_size: int = 0
+    context_length: int = 0
+    recoveries: int = 0
+    created_at: float = 0.0  # wall clock
+
+
+class NodeSummary(Wire):
+    node_id: str
+    name: str
+    endpoint: str
+    alive: bool
+    resources: Resources | None = None
+    models: list[str] = []
+
+
+class ClusterEvent(Wire):
+    at: float  # wall clock
+    kind: Literal["join", "leave", "master", "placed", "ready", "failure", "recovered", "failed", "removed"]
+    node: str = ""
+    instance: str = ""
+    message: str = ""
+
+
+class ClusterView(Wire):
+    kind: Literal["view"] = "view"
+    term: int
+    master: str
+    nodes: list[NodeSummary] = []
+    instances: list[InstanceRecord] = []
+    events: list[ClusterEvent] = []  # the newest few, oldest first
+
+
+ReportMessage = Annotated[NodeReport | ClusterView, Field(discriminator="kind")]
+REPORTS = TypeAdapter(ReportMessage)
+
+
+# ---- client -> master: queries, answered by whichever node is master ---------------------------------------
+
+
+class Place(Wire):
+    kind: Literal["place"] = "place"
+    model: str
+    request: PlacementRequest = PlacementRequest()
+    dry_run: bool = False
+    nonce: str = ""  # the same query sent again (a retry) is answered once
+
+
+class Remove(Wire):
+    kind: Literal["remove"] = "remove"
+    instance: str
+    nonce: str = ""
+
+
+MasterQuery = Annotated[Place | Remove, Field(discriminator="kind")]
+QUERY = TypeAdapter(MasterQuery)
+
+
+class MasterReply(Wire):
+    ok: bool
+    error: str = ""
+    term: int = 0
+    placement: Placement | None = None
+    instance: InstanceRecord | None = None
+
+
+NodeReport.model_rebuild()

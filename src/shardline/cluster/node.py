@@ -1,0 +1,364 @@
+"""`shardline node`: one process per machine holding the node agent, the weight server and, on one node at a
+time, the master.
+
+The node publishes its own facts (identity, resources, models, runners, the newest view it saw) on a short
+period and holds a liveliness token; it folds what it hears into a ClusterState (cluster/state.py) and acts
+on the pure decisions there: claim mastery when the election rule names it, kill runners that the newest
+view no longer lists. Everything the master knows can be rebuilt from these reports within one period.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zenoh
+from platformdirs import user_data_dir
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.cluster import messages as cm
+from shardline.cluster import state as cs
+from shardline.cluster.keys import ClusterKeys, node_from_key
+from shardline.cluster.placement import footprint_from_dir
+from shardline.cluster.resources import compute_score, device_kind, node_identity, resources
+from shardline.cluster.weights import WeightServer, fetch_shard, local_models, verify_shard
+from shardline.dataplane import messages as m
+from shardline.dataplane.frame import decode, encode
+from shardline.dataplane.transport import Link, open_session
+from shardline.models.registry import cache_dir
+from shardline.node.agent import NodeAgent
+
+log = logging.getLogger("shardline.node")
+
+
+class RunnerSettings(BaseModel):
+    """How the master configures the runners it starts (a slice of EngineConfig)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prefill_step: int = Field(256, ge=1)
+    step_timeout: float = Field(60.0, gt=0)
+    step_deadline_floor: float = Field(2.0, gt=0)
+    deadline_slack: float = Field(10.0, gt=0)
+    watchdog_factor: float = Field(2.0, gt=0)
+    load_timeout: float = Field(180.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)
+    heartbeat_timeout: float = Field(4.0, gt=0)
+    max_restarts: int = Field(3, ge=0)
+    restart_window_s: float = Field(120.0, gt=0)
+    backoff_s: float = Field(0.2, ge=0)
+    backoff_max_s: float = Field(5.0, ge=0)
+    max_queue: int = Field(256, ge=1)
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    namespace: str = Field("shardline", pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    listen: str = "tcp/127.0.0.1:0"  # port 0: a free one is chosen
+    peers: list[str] = []
+    multicast_interface: str | None = None  # multicast scouting on this interface; None: off
+    secret_file: Path | None = None
+    data_dir: Path | None = None
+    models_dir: Path | None = None  # None: the model cache (where `shardline models pull` imports)
+    memory_limit: int | None = Field(None, gt=0)
+    worker: bool = True  # False: this node never holds a stage (it may still be master and serve)
+    name: str | None = None
+    threads: int = Field(0, ge=0)  # per runner; 0: the machine's cores over the stages it holds
+    report_s: float = Field(0.5, gt=0)
+    lease_ms: int = Field(2000, ge=200)
+    settle_s: float = Field(1.5, ge=0)  # listen this long for a sitting master before claiming
+    runners: RunnerSettings = RunnerSettings()
+
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir or Path(user_data_dir("shardline")) / "node"
+
+    def resolved_models_dir(self) -> Path:
+        return self.models_dir or cache_dir()
+
+
+def concrete_endpoint(endpoint: str) -> str:
+    """tcp/HOST:0 -> tcp/HOST:<a free port>: runners and peers must know the real port."""
+    proto, _, rest = endpoint.partition("/")
+    host, _, port = rest.rpartition(":")
+    if port != "0":
+        return endpoint
+    with socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET) as s:
+        s.bind((host.strip("[]"), 0))
+        return f"{proto}/{host}:{s.getsockname()[1]}"
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.keys = ClusterKeys(config.namespace)
+        data_dir = config.resolved_data_dir()
+        self.node_id, self.name = node_identity(data_dir, config.name)
+        self.models_root = config.resolved_models_dir()
+        self.log_dir = data_dir / "logs"
+        self.endpoint = concrete_endpoint(config.listen)
+        self.host = self.endpoint.split("/", 1)[1].rpartition(":")[0]
+        secret = str(config.secret_file) if config.secret_file else None
+        self.link = Link(config.lease_ms, config.multicast_interface, secret)
+        self.started_at = time.time()
+        self.started_mono = time.monotonic()
+        self.score = compute_score()
+        self.device = device_kind()
+        self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
+        self.lock = threading.RLock()  # the state; never held while sending
+        self.changed = threading.Condition(self.lock)
+        self._events: queue.Queue[cs.Event] = queue.Queue()
+        self._closed = threading.Event()
+        self._models: dict[str, cm.LocalModel] = {}
+        self._models_at = 0.0
+        self._fetching: dict[tuple[str, int], tuple[int, int]] = {}
+        self.master: Any = None  # cluster.master.Master while this node is master
+        self.session: zenoh.Session | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> Node:
+        self.session = s = open_session([self.endpoint], list(self.config.peers), self.link)
+        self.agent = (
+            NodeAgent(
+                s, self.keys.agent(self.node_id), self.log_dir, fetch=self._fetch, obey=self._obey
+            ).start()
+            if self.config.worker
+            else None
+        )
+        self.weights = WeightServer(s, self.config.namespace, self.node_id, self.models_root)
+        self._report_pub = s.declare_publisher(self.keys.report(self.node_id))
+        self._view_pub = s.declare_publisher(self.keys.view)
+        self._subs = [
+            s.declare_subscriber(self.keys.report_any, self._on_report),
+            s.declare_subscriber(self.keys.view, self._on_report),
+            s.liveliness().declare_subscriber(self.keys.alive_any, self._on_alive, history=True),
+        ]
+        self._token = s.liveliness().declare_token(self.keys.alive(self.node_id))
+        self._events.put(cs.Alive(self.node_id))
+        for target, name in ((self._loop, "node-loop"), (self._reporter, "node-report")):
+            t = threading.Thread(target=target, daemon=True, name=name)
+            t.start()
+            self._threads.append(t)
+        log.info(
+            "node %s (%s) on %s, namespace %s", self.node_id, self.name, self.endpoint, self.config.namespace
+        )
+        return self
+
+    def close(self) -> None:
+        """Leave: stop being master (runners keep running only if the node lives), stop every runner."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        if self.master is not None:
+            self.master.close()
+        if self.agent is not None:
+            self.agent.close()
+        self.weights.close()
+        try:
+            self._token.undeclare()
+            for sub in self._subs:
+                sub.undeclare()
+            assert self.session is not None
+            self.session.close()
+        except Exception:
+            pass
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        return self._closed.wait(timeout)
+
+    # ---- what arrives --------------------------------------------------------------------------------------
+
+    def _on_alive(self, sample: zenoh.Sample) -> None:
+        node = node_from_key(str(sample.key_expr))
+        gone = sample.kind == zenoh.SampleKind.DELETE
+        self._events.put(cs.Gone(node) if gone else cs.Alive(node))
+
+    def _on_report(self, sample: zenoh.Sample) -> None:
+        try:
+            msg, _ = decode(bytes(sample.payload.to_bytes()), cm.REPORTS)
+        except Exception as exc:  # never obeyed, never fatal
+            log.warning("dropped a bad report on %s: %s", sample.key_expr, str(exc)[:200])
+            return
+        if isinstance(msg, cm.NodeReport):
+            self._events.put(cs.ReportIn(msg, time.monotonic()))
+        else:
+            self._events.put(cs.ViewIn(msg))
+
+    def _obey(self, term: int) -> bool:
+        with self.lock:
+            return term >= self.state.term
+
+    # ---- the loop: fold, then act on the decisions ---------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                events = [self._events.get(timeout=0.1)]
+            except queue.Empty:
+                events = []
+            while True:
+                try:
+                    events.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._step(events)
+            except Exception:  # the node must outlive any one bad step
+                log.exception("node step failed")
+
+    def _step(self, events: list[cs.Event]) -> None:
+        from shardline.cluster.master import Master
+
+        now = time.time()
+        with self.lock:
+            happened = []
+            for e in [*events, cs.Tick(time.monotonic())]:
+                happened += cs.apply(self.state, e, now)
+            settled = time.monotonic() - self.started_mono >= self.config.settle_s
+            term = cs.claim(self.state, settled)
+            deposed = self.master is not None and not self.state.is_master
+            view = self.state.view
+            self.changed.notify_all()
+        for e in happened:
+            log.info("%s %s", e.kind, e.node)
+        if deposed:
+            log.warning("node %s is no longer master (term %d)", self.node_id, self.state.term)
+            self.master.close(stop_runners=False)
+            self.master = None
+        if term is not None:
+            log.warning("node %s becomes master with term %d", self.node_id, term)
+            with self.lock:
+                self.state.term, self.state.master = term, self.node_id
+                self.state.events.append(cm.ClusterEvent(at=now, kind="master", node=self.node_id))
+            self.master = Master(self)
+        if self.master is not None:
+            self.master.tick(happened)
+        if view is not None and self.agent is not None and any(isinstance(e, cs.ViewIn) for e in events):
+            self._fence(view)
+
+    def _fence(self, view: cm.ClusterView) -> None:
+        """Kill runners of generations the newest view no longer lists (a master's StopGeneration may have
+        been lost with it)."""
+        assert self.agent is not None
+        held = self.runner_infos()
+        for instance, keep in cs.stale_runners(view, held):
+            listed = any(r.instance == instance for r in view.instances)
+            newest = max((r.generation for r in held if r.instance == instance), default=-1)
+            if listed and newest > keep:
+                continue  # a newer generation than the view knows: the view is older than its launch
+            if not listed and time.monotonic() - self.started_mono < 2 * self.config.settle_s:
+                continue
+            log.warning("stopping runners of %s not in the view (keeping generation %d)", instance, keep)
+            self.agent.stop_instance(instance, keep)
+
+    def publish_view(self, view: cm.ClusterView) -> None:
+        self._view_pub.put(encode(view))
+        self._events.put(cs.ViewIn(view))
+
+    # ---- reports -------------------------------------------------------------------------------------------
+
+    def runner_infos(self) -> list[cm.RunnerInfo]:
+        if self.agent is None:
+            return []
+        infos = [
+            cm.RunnerInfo(
+                instance=i, generation=g, stage=s, start=spec.layer_start, end=spec.layer_end, pid=pid
+            )
+            for (i, g, s), spec, pid in self.agent.held()
+        ]
+        return infos
+
+    def models(self) -> dict[str, cm.LocalModel]:
+        if time.monotonic() - self._models_at > 5.0 or not self._models_at:
+            found = {}
+            for name, p in local_models(self.models_root).items():
+                fp = None
+                if p.full:
+                    try:
+                        fp = footprint_from_dir(self.models_root / name, name)
+                    except Exception as exc:
+                        log.warning("model %s: %s", name, exc)
+                        continue
+                found[name] = cm.LocalModel(full=p.full, start=p.start, end=p.end, footprint=fp)
+            self._models, self._models_at = found, time.monotonic()
+        return self._models
+
+    def report(self) -> cm.NodeReport:
+        held = 0
+        if self.agent is not None:
+            for _, _, pid in self.agent.held():
+                try:
+                    held += psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    pass
+        with self.lock:
+            term, instances = self.state.term, self.state.instances()
+        return cm.NodeReport(
+            node_id=self.node_id,
+            name=self.name,
+            endpoint=self.endpoint,
+            started_at=self.started_at,
+            resources=resources(self.score, self.device, self.config.memory_limit, held)
+            if self.config.worker
+            else resources(self.score, self.device, 1, 1),
+            models=self.models() if self.config.worker else {},
+            runners=self.runner_infos(),
+            term=term,
+            instances=instances,
+        )
+
+    def _reporter(self) -> None:
+        while not self._closed.wait(self.config.report_s):  # the report period, not a synchronisation
+            try:
+                r = self.report()
+                self._report_pub.put(encode(r))
+                self._events.put(cs.ReportIn(r, time.monotonic()))
+            except Exception:
+                log.exception("report failed")
+
+    # ---- weights -------------------------------------------------------------------------------------------
+
+    def _fetch(self, cmd: m.StartRunner, progress: Any) -> Path:
+        """The local directory of the command's model, with the stage's tensors: copied from a source node
+        when this node lacks them."""
+        spec = cmd.spec
+        local = self.models().get(spec.model)
+        target = self.models_root / spec.model
+        if local is not None and local.full:
+            return target
+        covers = local is not None and local.start <= spec.layer_start and spec.layer_end <= local.end
+        if covers and not (bad := verify_shard(target)):
+            return target
+        if covers:
+            log.warning("stage copy of %s is corrupt (%s): fetching it again", spec.model, ", ".join(bad[:3]))
+        sources = [n for n in cmd.sources if n != self.node_id]
+        if not sources:
+            raise RuntimeError(f"model {spec.model!r} is on no node of the cluster")
+        errors = []
+        for source in sources:
+            try:
+                path = fetch_shard(
+                    self.session,
+                    self.config.namespace,
+                    source,
+                    spec.model,
+                    spec.layer_start,
+                    spec.layer_end,
+                    self.models_root,
+                    progress=lambda done, total, src=source: progress(done, total, src),
+                )
+                self._models_at = 0.0  # rescan: the report now lists the stage
+                return path
+            except Exception as exc:
+                errors.append(f"{source}: {exc}")
+        raise RuntimeError("; ".join(errors))

@@ -1,0 +1,80 @@
+"""A node's identity (stable across restarts) and its resources (memory, a measured compute score)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from shardline.cluster.messages import Resources
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'24G', '512M', '1.5GiB', '1000000' -> bytes."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (examples: 24G, 512M, 1.5GiB)")
+    value = float(match[1]) * _UNITS[match[2].lower()]
+    if value < 1:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value)
+
+
+def node_identity(data_dir: Path, name: str | None = None) -> tuple[str, str]:
+    """(node id, name): the id is made once and kept in the data directory, so a node that comes back is
+    the same node (never a ghost beside its old self)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "node.json"
+    try:
+        saved = json.loads(path.read_text())
+        node_id = str(saved["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        node_id = uuid.uuid4().hex[:12]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"id": node_id}))
+        os.replace(tmp, path)
+    return node_id, name or f"{socket.gethostname()}-{node_id[:4]}"
+
+
+def compute_score(seconds: float = 0.2) -> float:
+    """GFLOP/s of a float32 matmul on the default MLX device, measured for about `seconds`."""
+    import mlx.core as mx
+
+    n = 512
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a @ b)  # warm-up
+    runs, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or runs < 2:
+        mx.eval(a @ b)
+        runs += 1
+    return round(2 * n**3 * runs / elapsed / 1e9, 2)
+
+
+def device_kind() -> str:
+    import mlx.core as mx
+
+    return str(mx.default_device()).removeprefix("Device(").removesuffix(")")
+
+
+def resources(score: float, device: str, memory_limit: int | None, held_bytes: int) -> Resources:
+    """held_bytes: memory this node's runners hold now; placement sees what is left of the limit."""
+    vm = psutil.virtual_memory()
+    available = vm.available if memory_limit is None else max(0, min(vm.available, memory_limit - held_bytes))
+    return Resources(
+        memory_total=memory_limit or vm.total,
+        memory_available=available,
+        memory_limit=memory_limit,
+        compute_score=score,
+        device=device,
+        cpus=os.cpu_count() or 1,
+    )

@@ -1,0 +1,192 @@
+"""The cluster as one node knows it: a fold over liveliness, node reports and master views.
+
+`apply` folds one event in; the decisions are pure functions of the state: `claim` (should this node become
+master), `node_losses` (instances whose stages sit on nodes that left), `stale_runners` (runners a node must
+kill because the newest view no longer lists their generation), `capacities` (what placement may use).
+Shells (node.py, master.py) turn them into effects.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shardline.cluster import election
+from shardline.cluster import messages as cm
+from shardline.cluster.placement import ModelFootprint, NodeCapacity
+
+MAX_EVENTS = 200
+
+
+@dataclass(frozen=True)
+class Alive:
+    node: str
+
+
+@dataclass(frozen=True)
+class Gone:
+    node: str
+
+
+@dataclass(frozen=True)
+class ReportIn:
+    report: cm.NodeReport
+    at: float = 0.0  # monotonic arrival time
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float  # monotonic: membership is judged from token presence and report age
+
+
+@dataclass(frozen=True)
+class ViewIn:
+    view: cm.ClusterView
+
+
+Event = Alive | Gone | ReportIn | ViewIn | Tick
+
+
+@dataclass
+class ClusterState:
+    me: str
+    lease_s: float = 2.0
+    # Membership: a node is alive while its liveliness token is present or its last report is younger than
+    # the lease. Either alone can blink (a token re-routed when a peer in between leaves); both gone is a
+    # node that left.
+    alive: set[str] = field(default_factory=set)
+    tokens: set[str] = field(default_factory=set)
+    heard: dict[str, float] = field(default_factory=dict)  # node -> arrival of its last report (monotonic)
+    reports: dict[str, cm.NodeReport] = field(default_factory=dict)  # live nodes only: no ghosts
+    term: int = 0
+    master: str | None = None
+    view: cm.ClusterView | None = None  # the newest accepted
+    events: deque[cm.ClusterEvent] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
+
+    @property
+    def is_master(self) -> bool:
+        return self.master == self.me
+
+    def instances(self) -> list[cm.InstanceRecord]:
+        """The newest records anyone has: the view, or reports of a higher term (a master that died)."""
+        best_term, best = (self.view.term, self.view.instances) if self.view else (-1, [])
+        for r in self.reports.values():
+            if r.term > best_term and r.instances:
+                best_term, best = r.term, r.instances
+        return list(best)
+
+
+def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.ClusterEvent]:
+    """Fold one event into the state; returns the cluster events it caused (joins, leaves)."""
+    happened: list[cm.ClusterEvent] = []
+    if isinstance(event, Alive):
+        state.tokens.add(event.node)
+        if event.node not in state.alive:
+            state.alive.add(event.node)
+            happened.append(cm.ClusterEvent(at=now_wall, kind="join", node=event.node))
+    elif isinstance(event, Gone):
+        state.tokens.discard(event.node)  # it leaves once its reports stop too (Tick)
+    elif isinstance(event, ReportIn):
+        r = event.report
+        if r.node_id in state.alive or r.node_id in state.tokens or r.node_id == state.me:
+            state.reports[r.node_id] = r
+            state.heard[r.node_id] = max(state.heard.get(r.node_id, 0.0), event.at)
+            if r.node_id not in state.alive:
+                state.alive.add(r.node_id)
+                happened.append(cm.ClusterEvent(at=now_wall, kind="join", node=r.node_id))
+        if r.term > state.term and state.master is not None and state.master not in state.alive:
+            state.term = r.term  # a master we never heard of came and went: learn its term
+    elif isinstance(event, Tick):
+        for node in sorted(state.alive):
+            fresh = event.now - state.heard.get(node, -1e9) < state.lease_s
+            if node != state.me and node not in state.tokens and not fresh:
+                state.alive.discard(node)
+                state.reports.pop(node, None)  # gone: it comes back by joining again, never as a ghost
+                state.heard.pop(node, None)
+                happened.append(cm.ClusterEvent(at=now_wall, kind="leave", node=node))
+    elif isinstance(event, ViewIn):
+        v = event.view
+        if election.newer(v.term, v.master, state.term, state.master) or (
+            v.term == state.term and v.master == state.master
+        ):
+            if v.master != state.master:
+                happened.append(cm.ClusterEvent(at=now_wall, kind="master", node=v.master))
+            state.term, state.master, state.view = v.term, v.master, v
+    state.events.extend(happened)
+    return happened
+
+
+def claim(state: ClusterState, settled: bool) -> int | None:
+    """The term to claim mastery with, when the rule names this node; None otherwise.
+
+    settled: this node has been up long enough to have heard a sitting master (it must not depose one it
+    simply has not met yet).
+    """
+    if not settled or state.is_master:
+        return None
+    alive = state.alive | {state.me}
+    master, term = election.elect(alive, state.master, state.term)
+    return term if master == state.me else None
+
+
+def node_losses(state: ClusterState, instances: list[cm.InstanceRecord]) -> list[tuple[str, int, str]]:
+    """(instance, generation, why) for every live instance with a stage on a node that is not alive."""
+    alive = state.alive | {state.me}
+    out = []
+    for rec in instances:
+        if rec.phase == "failed" or rec.generation < 0:
+            continue
+        lost = sorted({s.node_id for s in rec.stages if s.node_id not in alive})
+        if lost:
+            out.append((rec.instance, rec.generation, f"node {', '.join(lost)} left the cluster"))
+    return out
+
+
+def stale_runners(view: cm.ClusterView, held: list[cm.RunnerInfo]) -> list[tuple[str, int]]:
+    """(instance, generation to keep or -1) for runners the view no longer lists: they must stop."""
+    current = {r.instance: r.generation for r in view.instances if r.phase != "failed"}
+    doomed = set()
+    for r in held:
+        keep = current.get(r.instance, -1)
+        if r.generation != keep:
+            doomed.add((r.instance, keep))
+    return sorted(doomed)
+
+
+def capacities(state: ClusterState, instance: str | None = None) -> list[NodeCapacity]:
+    """What each live node offers placement; memory held by `instance`'s own runners counts as free (a
+    re-placement replaces them)."""
+    out = []
+    for node_id, r in sorted(state.reports.items()):
+        # A node whose token is gone is not placed on, even while its lease runs: it is most likely dead.
+        if node_id != state.me and (node_id not in state.alive or node_id not in state.tokens):
+            continue
+        available = r.resources.memory_available
+        if instance is not None:
+            available += sum(
+                _held_bytes(state, instance, info) for info in r.runners if info.instance == instance
+            )
+        out.append(NodeCapacity(node_id, max(0, available), max(r.resources.compute_score, 1e-3)))
+    return out
+
+
+def _held_bytes(state: ClusterState, instance: str, info: cm.RunnerInfo) -> int:
+    fp = footprint(state, next((r.model for r in state.instances() if r.instance == instance), ""))
+    return sum(fp.layer_bytes[info.start : info.end]) if fp else 0
+
+
+def footprint(state: ClusterState, model: str) -> ModelFootprint | None:
+    for _, r in sorted(state.reports.items()):
+        local = r.models.get(model)
+        if local is not None and local.footprint is not None:
+            return local.footprint
+    return None
+
+
+def sources(state: ClusterState, model: str) -> list[str]:
+    """Live nodes holding the whole model: where a node without it fetches its stage."""
+    return [
+        n
+        for n, r in sorted(state.reports.items())
+        if n in state.alive | {state.me} and (m := r.models.get(model)) and m.full
+    ]

@@ -1,0 +1,168 @@
+"""Real node daemons on loopback (or in network namespaces), for tests and benches.
+
+Each node is a `shardline node` process with its own data directory; its id is written there first, so
+tests name nodes (and so who is master: the lowest live id) instead of drawing them at random.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from shardline.cluster.client import ClusterClient
+from shardline.cluster.messages import ClusterView
+
+FAST_RUNNERS = {
+    "heartbeat_s": 0.2,
+    "heartbeat_timeout": 1.5,
+    "step_deadline_floor": 1.0,
+    "step_timeout": 10.0,
+    "backoff_s": 0.05,
+    "load_timeout": 60.0,
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeProc:
+    node_id: str
+    data_dir: Path
+    argv: list[str]
+    endpoint: str
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    def start(self, prefix: list[str] | None = None) -> NodeProc:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "node.json").write_text(json.dumps({"id": self.node_id}))
+        self.log = self.data_dir / "node.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [*(prefix or []), *self.argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def runner_pids(self) -> list[int]:
+        """The node's runner processes (its children)."""
+        try:
+            return [
+                c.pid
+                for c in psutil.Process(self.pid).children()
+                if "shardline.runner" in " ".join(c.cmdline())
+            ]
+        except psutil.Error:
+            return []
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait(timeout=10)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM (the node stops its runners), then SIGKILL of its whole group."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log else ""
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """Nodes `ids` on loopback; the first one listens on a known port and the others name it as a peer."""
+
+    root: Path
+    ids: list[str]
+    models_dir: Path
+    extra: list[str] = field(default_factory=list)
+    runners: dict = field(default_factory=lambda: dict(FAST_RUNNERS))
+    namespace: str = "shardline"
+    nodes: dict[str, NodeProc] = field(default_factory=dict)
+    clients: list[ClusterClient] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ports = [free_port() for _ in self.ids]
+        first = f"tcp/127.0.0.1:{ports[0]}"
+        for i, (node_id, port) in enumerate(zip(self.ids, ports, strict=True)):
+            argv = self.argv(node_id, f"tcp/127.0.0.1:{port}", [] if i == 0 else [first])
+            endpoint = f"tcp/127.0.0.1:{port}"
+            self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, endpoint)
+
+    def argv(self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None) -> list[str]:
+        argv = [sys.executable, "-m", "shardline", "-v", "node", "--listen", listen, "--name", node_id]
+        argv += ["--data-dir", str(self.root / node_id), "--models-dir", str(models_dir or self.models_dir)]
+        argv += ["--namespace", self.namespace, "--threads", "1", "--prefill-step", "8", "--lease-ms", "2000"]
+        argv += ["--runner-settings", json.dumps(self.runners), *self.extra]
+        for p in peers:
+            argv += ["--peer", p]
+        return argv
+
+    def start(self) -> LocalCluster:
+        for n in self.nodes.values():
+            n.start()
+        return self
+
+    def add(self, node_id: str, *extra: str, models_dir: Path | None = None) -> NodeProc:
+        first = next(iter(self.nodes.values())).endpoint
+        port = free_port()
+        argv = [*self.argv(node_id, f"tcp/127.0.0.1:{port}", [first], models_dir), *extra]
+        self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, f"tcp/127.0.0.1:{port}").start()
+        return self.nodes[node_id]
+
+    def client(self, via: str | None = None) -> ClusterClient:
+        node = self.nodes[via] if via else next(iter(self.nodes.values()))
+        c = ClusterClient([node.endpoint], self.namespace)
+        self.clients.append(c)
+        return c
+
+    def alive_ids(self, view: ClusterView) -> set[str]:
+        return {n.node_id for n in view.nodes if n.alive}
+
+    def all_pids(self) -> list[int]:
+        pids = []
+        for n in self.nodes.values():
+            if n.proc is not None and n.proc.poll() is None:
+                pids += [n.pid, *n.runner_pids()]
+        return pids
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {i}\n{n.tail()}" for i, n in self.nodes.items())
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for n in self.nodes.values():
+            n.stop()

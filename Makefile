@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(VENV)/bin/shardline generate --stages 2 "$(PROMPT)"
+	$(VENV)/bin/shardline up --nodes 2 --ask "$(PROMPT)"
 
 test: setup
 	$(VENV)/bin/ruff check src tests

@@ -169,10 +169,26 @@ def cmd_up(args: argparse.Namespace) -> int:
                 f'shardline generate --cluster {endpoint} "..."',
                 flush=True,
             )
+            if args.ask:
+                _ask(client, rec.instance, model_dir, args.ask)
+                print("shardline: serving until Ctrl-C", flush=True)
             _wait_for_signal()
     finally:
         stop_nodes(procs)
     return 0
+
+
+def _ask(client: Any, instance: str, model_dir: Path, prompt: str) -> None:
+    """Stream one answer through this client's front (the demo of `make run`)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from shardline.cli import _encode, _stream
+
+    tokenizer = load_tokenizer(model_dir)
+    print(f"> {prompt}", flush=True)
+    ids = _encode(tokenizer, prompt, raw=False)
+    handle = client.front(instance).submit(ids, max_tokens=256, stop_tokens=list(tokenizer.eos_token_ids))
+    _stream(handle, tokenizer)
 
 
 def generate_on_cluster(
@@ -236,6 +252,7 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--port", type=int, default=DEFAULT_PORT)
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--timeout", type=float, default=600.0)
+    up.add_argument("--ask", default=None, help="once ready, stream the answer to this prompt")
     up.set_defaults(func=cmd_up)
 
     place = sub.add_parser("place", help="place a model on a running cluster (or preview with --dry-run)")

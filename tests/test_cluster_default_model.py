@@ -1,0 +1,127 @@
+"""The default model on a real cluster: the same greedy text on one, two and three nodes; `shardline up`."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import assert_no_runner_left
+
+from shardline.cluster.placement import PlacementRequest
+from shardline.models.registry import resolve_model
+from shardline.testing.cluster import LocalCluster, free_port
+
+pytestmark = pytest.mark.slow
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path_factory.mktemp("dm"), ["d1", "d2", "d3"], model_dir.parent)
+    c.runners.update(step_timeout=30.0, step_deadline_floor=2.0, heartbeat_timeout=4.0)
+    c.extra = ["--prefill-step", "64"]
+    c.start()
+    yield c
+    pids = c.all_pids()
+    c.close()
+    assert_no_runner_left(pids)
+
+
+@pytest.mark.timeout(300)
+def test_default_model_gives_the_same_greedy_text_on_one_two_and_three_nodes(cluster, model_dir, tokenizer):
+    client = cluster.client("d1")
+    client.wait(lambda v: sum(n.alive for n in v.nodes) == 3, 60, "3 nodes")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    answers = {}
+    for stages in (1, 2, 3):
+        request = PlacementRequest(sequences=2, reserve_tokens=1024, hop_cost_fraction=0.0, max_stages=stages)
+        reply = client.place(model_dir.name, request)
+        assert reply.instance is not None
+        rec = client.wait_ready(reply.instance.instance, 180)
+        assert len(rec.stages) == stages and len({s.node_id for s in rec.stages}) == stages
+        handle = client.front(rec.instance).submit(
+            prompt, max_tokens=24, stop_tokens=list(tokenizer.eos_token_ids)
+        )
+        answers[stages] = handle.tokens(timeout=120)
+        client.remove(rec.instance)
+    assert answers[2] == answers[1] and answers[3] == answers[1], answers
+    assert "Paris" in tokenizer.decode(answers[1])
+
+
+def _lines(stream) -> queue.Queue[str]:  # type: ignore[no-untyped-def]
+    q: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            q.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _wait_line(q: queue.Queue[str], needle: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"no line with {needle!r} within {timeout:.0f}s; got: {''.join(seen)[-2000:]}")
+
+
+@pytest.mark.timeout(300)
+def test_up_serves_the_default_model_and_stops_cleanly_on_ctrl_c(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "shardline", "up", "--nodes", "2", "--port", str(port)]
+    up = subprocess.Popen(
+        [*argv, "--data-dir", str(tmp_path / "up")], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        ready = _wait_line(_lines(up.stdout), "ready on 2 nodes", 240)
+        assert f"tcp/127.0.0.1:{port}" in ready
+        family = [p.pid for p in psutil.Process(up.pid).children(recursive=True)]
+        assert len(family) >= 4  # two nodes and their runners
+        out = subprocess.run(
+            [sys.executable, "-m", "shardline", "generate", "--cluster", f"tcp/127.0.0.1:{port}", QUESTION],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "Paris" in out.stdout
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        assert_no_runner_left(family)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

@@ -1,0 +1,443 @@
+"""The cluster with each node daemon in its own network namespace (testing/netns.py): discovery by zenoh
+multicast scouting alone (no --peer), isolation of cluster namespaces on one wire, and a node whose cable is
+pulled mid-generation (detected within the lease, the request completes exactly on the survivors) and plugged
+back (it rejoins under its id, no ghost, and stops the runners of generations the view no longer lists).
+
+The test process lives in the root namespace and cannot reach the lab: it drives the cluster through a small
+client process inside the lab (CLIENT below), which takes JSON commands on stdin and prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import assert_no_runner_left, random_prompt
+
+from shardline.testing.cluster import FAST_RUNNERS
+from shardline.testing.netns import Host, NetLab, cleanup_stale, list_netns, netns_available
+from shardline.testing.reference import Reference
+
+pytestmark = pytest.mark.skipif(netns_available() is not None, reason=f"netns: {netns_available()}")
+
+PY = sys.executable
+PORT = 7447
+LEASE_S = 2.0
+NS = "labc"  # the cluster's namespace (the tests' other cluster uses "other")
+
+# The client, inside the lab. argv: endpoints (JSON list), cluster namespace. Prints one JSON object per
+# line: every fresh view ("view"), and what each command did; stdin EOF closes it.
+CLIENT = r"""
+import json, sys, threading, time
+from shardline.cluster.client import ClusterClient
+from shardline.cluster.placement import PlacementRequest
+
+connect, namespace = json.loads(sys.argv[1]), sys.argv[2]
+lock = threading.Lock()
+
+def say(ev, **kw):
+    with lock:
+        print(json.dumps({"ev": ev, "t": time.monotonic(), **kw}), flush=True)
+
+client = ClusterClient(connect, namespace=namespace)
+closing = threading.Event()
+
+def views():
+    last = None
+    while not closing.is_set():
+        try:
+            v = client.wait(lambda v: v is not last, 1.0, "a view")
+        except Exception:
+            continue
+        last = v
+        say("view", term=v.term, master=v.master, nodes=[[n.node_id, n.alive] for n in v.nodes],
+            instances=[{"instance": r.instance, "generation": r.generation, "phase": r.phase,
+                        "recoveries": r.recoveries, "stages": [s.node_id for s in r.stages]}
+                       for r in v.instances])
+
+threading.Thread(target=views, daemon=True).start()
+say("started")
+instance = None
+
+def stream(handle, tag, timeout):
+    got = []
+    try:
+        for tok in handle.stream(timeout=timeout):
+            got.append(tok.token)
+            say("token", tag=tag, i=len(got) - 1, token=tok.token)
+        say("done", tag=tag, tokens=got)
+    except Exception as exc:
+        say("error", tag=tag, error=f"{type(exc).__name__}: {exc}", tokens=got)
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        if cmd["cmd"] == "place":
+            request = PlacementRequest(sequences=2, reserve_tokens=512, hop_cost_fraction=0.0,
+                                       max_stages=cmd["stages"])
+            reply = client.place("tiny-llama", request)
+            rec = client.wait_ready(reply.instance.instance, cmd["timeout"])
+            instance = rec.instance
+            say("ready", instance=instance, generation=rec.generation, stages=[s.node_id for s in rec.stages])
+        elif cmd["cmd"] == "submit":
+            handle = client.front(instance).submit(cmd["prompt"], max_tokens=cmd["max_tokens"])
+            threading.Thread(target=stream, args=(handle, cmd["tag"], cmd["timeout"]), daemon=True).start()
+    except Exception as exc:
+        say("error", cmd=cmd["cmd"], error=f"{type(exc).__name__}: {exc}")
+closing.set()
+client.close()
+say("closed")
+"""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+class Client:
+    """The client process: its stdout lines, parsed, collected by a thread so the test waits with deadlines."""
+
+    def __init__(self, lab: NetLab, host: Host, connect: list[str], namespace: str, err: Path) -> None:
+        self.err = err
+        with open(err, "wb") as err_file:
+            self.proc = lab.popen(
+                host,
+                [PY, "-u", "-c", CLIENT, json.dumps(connect), namespace],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err_file,
+                text=True,
+            )
+        self.events: list[dict[str, Any]] = []
+        self._new = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                ev = {"ev": "raw", "line": line.rstrip("\n"), "t": time.monotonic()}
+            with self._new:
+                self.events.append(ev)
+                self._new.notify_all()
+        with self._new:
+            self.events.append({"ev": "eof", "t": time.monotonic()})
+            self._new.notify_all()
+
+    def send(self, **cmd: Any) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str, start: int = 0) -> int:
+        """The index of the first event from `start` on that satisfies pred; AssertionError past the deadline."""
+        deadline = time.monotonic() + timeout
+        with self._new:
+            i = start
+            while True:
+                while i < len(self.events):
+                    ev = self.events[i]
+                    if pred(ev):
+                        return i
+                    if ev["ev"] == "eof":
+                        raise AssertionError(f"{what}: the client ended; {self.tail()}")
+                    i += 1
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"{what}: not seen within {timeout:.0f}s; {self.tail()}")
+                self._new.wait(left)
+
+    def event(self, kind: str, timeout: float, what: str, start: int = 0, **match: Any) -> dict[str, Any]:
+        """The first event of `kind` with the given fields from `start` on; an error of the same command
+        (`cmd`) or request (`tag`) fails at once."""
+        cmd = match.pop("cmd", None)
+
+        def pred(ev: dict[str, Any]) -> bool:
+            if ev["ev"] == "error" and (ev.get("cmd") == cmd or ev.get("tag") == match.get("tag", "")):
+                raise AssertionError(f"{what}: the client says {ev}")
+            return ev["ev"] == kind and all(ev.get(k) == v for k, v in match.items())
+
+        return self.events[self.wait_for(pred, timeout, what, start)]
+
+    def view(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str, start: int = 0) -> int:
+        return self.wait_for(lambda ev: ev["ev"] == "view" and pred(ev), timeout, what, start)
+
+    def tail(self) -> str:
+        with self._new:
+            last = [json.dumps(e)[:300] for e in self.events[-12:]]
+        try:
+            err = self.err.read_text(errors="replace")[-3000:]
+        except OSError:
+            err = ""
+        return "last output:\n" + "\n".join(last) + f"\nstderr:\n{err}"
+
+    def close(self, timeout: float = 20) -> None:
+        """stdin EOF: the client closes its session and exits."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            self.proc.wait(timeout=timeout)
+
+
+def alive(ev: dict[str, Any]) -> set[str]:
+    return {n for n, up in ev["nodes"] if up}
+
+
+class LabNode:
+    """One `shardline node` daemon in its own namespace, discovering its peers by multicast scouting only."""
+
+    def __init__(self, lab: NetLab, host: Host, node_id: str, root: Path, models: Path, namespace: str) -> None:
+        self.lab, self.host, self.node_id = lab, host, node_id
+        self.data_dir = root / node_id
+        self.data_dir.mkdir(parents=True)
+        (self.data_dir / "node.json").write_text(json.dumps({"id": node_id}))  # the test names the node
+        self.endpoint = f"tcp/{host.address}:{PORT}"
+        self.log = self.data_dir / "node.log"
+        argv = [PY, "-m", "shardline", "-v", "node", "--listen", self.endpoint]
+        argv += ["--multicast-interface", host.interface, "--name", node_id, "--data-dir", str(self.data_dir)]
+        argv += ["--models-dir", str(models), "--namespace", namespace, "--threads", "1"]
+        argv += ["--prefill-step", "8", "--lease-ms", str(int(LEASE_S * 1000))]
+        argv += ["--runner-settings", json.dumps(FAST_RUNNERS)]
+        with open(self.log, "wb") as out:
+            self.proc = lab.popen(host, argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        self._process: psutil.Process | None = None
+
+    def process(self, timeout: float = 10) -> psutil.Process:
+        """The node's own python process: `ip netns exec` execs it (or, if it ever forks, its child)."""
+        deadline = time.monotonic() + timeout
+        while self._process is None:
+            try:
+                p = psutil.Process(self.proc.pid)
+                for q in [p, *p.children()]:
+                    if "shardline" in q.cmdline():
+                        self._process = q
+                        break
+            except psutil.Error:
+                pass
+            assert self._process is not None or time.monotonic() < deadline, f"no node process for {self}"
+            if self._process is None:
+                time.sleep(0.01)  # polling for exec, bounded by the deadline
+        return self._process
+
+    def runners(self) -> list[tuple[str, int, int, int]]:
+        """(instance, generation, stage, pid) of each runner process (a child of the node)."""
+        found = []
+        try:
+            children = self.process().children()
+        except psutil.Error:
+            return []
+        for c in children:
+            try:
+                argv = c.cmdline()
+            except psutil.Error:
+                continue
+            if "shardline.runner" in argv and c.status() != psutil.STATUS_ZOMBIE:
+                spec = json.loads(argv[-1])
+                found.append((spec["instance"], spec["generation"], spec["stage"], c.pid))
+        return found
+
+    def pids(self) -> list[int]:
+        try:
+            return [self.process(timeout=1).pid, *(r[3] for r in self.runners())]
+        except (AssertionError, psutil.Error):
+            return []
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __repr__(self) -> str:
+        return f"LabNode({self.node_id} on {self.host.name} {self.host.address})"
+
+
+class Lab:
+    """A NetLab with node daemons and clients; close() stops them and removes the lab, and checks that no
+    process and no namespace is left."""
+
+    def __init__(self, prefix: str, count: int, root: Path, models: Path) -> None:
+        cleanup_stale(prefix)
+        self.net = NetLab(prefix, count)
+        self.root, self.models = root, models
+        self.nodes: dict[str, LabNode] = {}
+        self.clients: list[Client] = []
+
+    def node(self, host: int, node_id: str, namespace: str = NS) -> LabNode:
+        n = LabNode(self.net, self.net.hosts[host], node_id, self.root, self.models, namespace)
+        self.nodes[node_id] = n
+        return n
+
+    def client(self, host: int, via: list[str], namespace: str = NS) -> Client:
+        connect = [self.nodes[v].endpoint for v in via]
+        err = self.root / f"client{len(self.clients)}.err"
+        c = Client(self.net, self.net.hosts[host], connect, namespace, err)
+        self.clients.append(c)
+        return c
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {i}\n{n.tail()}" for i, n in self.nodes.items())
+
+    def close(self) -> None:
+        names = self.net.namespaces()
+        procs = [psutil.Process(c.proc.pid) for c in self.clients if c.proc.poll() is None]
+        pids = [p for n in self.nodes.values() for p in n.pids()]
+        for c in self.clients:
+            try:
+                c.close()
+            except subprocess.TimeoutExpired:
+                pass  # the lab kills it
+        self.net.close()  # SIGTERM to every node (which stops its runners), then a sweep of the namespaces
+        assert_no_runner_left(pids + [p.pid for p in procs])
+        left = set(names) & set(list_netns())
+        assert not left, f"namespaces left: {left}"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    shutil.copytree(tiny_models["llama"], root / "tiny-llama")
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(models: Path) -> Reference:
+    return Reference(models / "tiny-llama")
+
+
+@pytest.fixture
+def make_lab(tmp_path: Path, models: Path) -> Iterator[Callable[[str, int], Lab]]:
+    made: list[Lab] = []
+
+    def make(prefix: str, count: int) -> Lab:
+        lab = Lab(prefix, count, tmp_path / prefix, models)
+        made.append(lab)
+        return lab
+
+    yield make
+    for lab in made:
+        lab.close()
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.timeout(120)
+def test_nodes_find_each_other_by_multicast_and_another_namespace_is_never_seen(make_lab):
+    lab = make_lab("slcd", 5)
+    with lab.net.leak_monitor() as monitor:
+        for i, node_id in enumerate(("n1", "n2", "n3")):
+            lab.node(i, node_id)
+        lab.node(3, "n0", namespace="other")  # the lowest id: it would be master if it were let in
+        client = lab.client(4, via=["n3"])
+        other = lab.client(4, via=["n0"], namespace="other")
+
+        first = client.view(lambda v: alive(v) == {"n1", "n2", "n3"} and v["master"] == "n1", 60,
+                            "n1, n2, n3 alive with n1 as master")  # fmt: skip
+        found = client.events[first]["t"]
+        other.view(lambda v: v["master"] == "n0" and alive(v) == {"n0"}, 30, "n0 alone, master of 'other'")
+        # Several fresh views later, with n0 up and publishing on the same wire: never listed, n1 master.
+        at = first
+        for _ in range(6):
+            at = client.view(lambda v: True, 5, "a fresh view", start=at + 1)
+            view = client.events[at]
+            assert {n for n, _ in view["nodes"]} == {"n1", "n2", "n3"}, view
+            assert view["master"] == "n1" and view["term"] >= 1, view
+        other_view = other.events[other.view(lambda v: True, 5, "a fresh view of 'other'",
+                                             start=len(other.events))]  # fmt: skip
+        assert [n for n, _ in other_view["nodes"]] == ["n0"], other_view
+        assert lab.net.isolation_problems() == []
+        started = client.events[0]["t"]
+        print(f"\nmulticast discovery: 3 nodes and a master in the client's view {found - started:.2f}s after the "
+              "client started")  # fmt: skip
+    assert monitor.leaks == [], monitor.leaks[:10]  # no frame of the lab's subnet on the host's interfaces
+
+
+@pytest.mark.timeout(150)
+def test_link_down_mid_generation_replaces_and_completes_then_the_node_rejoins_without_ghost(
+    make_lab, reference
+):
+    lab = make_lab("slcl", 4)
+    nodes = [lab.node(i, node_id) for i, node_id in enumerate(("k1", "k2", "k3"))]
+    # The client names every node: whichever one is cut, it keeps its connection (and its front).
+    client = lab.client(3, via=["k1", "k2", "k3"])
+    client.view(lambda v: alive(v) == {"k1", "k2", "k3"} and v["master"] == "k1", 60, "k1, k2, k3 with k1 master")
+    client.send(cmd="place", stages=2, timeout=60)
+    ready = client.event("ready", 90, "the instance ready", cmd="place")
+    instance, generation, stages = ready["instance"], ready["generation"], ready["stages"]
+    assert len(stages) == 2 and len(set(stages)) == 2, ready
+    victim = lab.nodes[stages[1]]
+    assert victim.node_id != "k1"  # pipeline order is node id order: stage 1 never sits on the lowest id
+    held = victim.runners()
+    assert [(i, g) for i, g, _, _ in held] == [(instance, generation)], held
+
+    n = 600
+    prompt = random_prompt(20, seed=21)
+    expected = reference.greedy(prompt, n)[0]
+    client.send(cmd="submit", tag="long", prompt=prompt, max_tokens=n, timeout=90)
+    client.event("token", 60, "the 5th token", tag="long", i=4)
+    cut = len(client.events)
+    t_down = time.monotonic()
+    lab.net.link_down(victim.host)
+    t_cut = time.monotonic()
+
+    gone_at = client.view(lambda v: victim.node_id not in alive(v), 15, f"{victim.node_id} not alive", cut)
+    gone = client.events[gone_at]
+    done = client.event("done", 90, "the long request's end", tag="long")
+    assert done["tokens"] == expected, "the request's tokens differ from the reference"
+    tokens = [e for e in client.events[cut:] if e["ev"] == "token" and e.get("tag") == "long"]
+    assert tokens, "every token came before the cable was pulled: make the request longer"
+    gaps = [(b["t"] - a["t"], b) for a, b in zip(tokens, tokens[1:], strict=False)]
+    stall, resumed = max(gaps, key=lambda g: g[0]) if gaps else (0.0, tokens[0])
+    replaced = client.view(
+        lambda v: any(
+            r["instance"] == instance and r["phase"] == "ready" and r["generation"] > generation
+            for r in v["instances"]
+        ),
+        30,
+        "the instance re-placed",
+        cut,
+    )
+    rec = next(r for r in client.events[replaced]["instances"] if r["instance"] == instance)
+    assert victim.node_id not in rec["stages"] and rec["recoveries"] >= 1, rec
+    print(
+        f"\nlink down of {victim.node_id} (stage 1): shown not alive after {gone['t'] - t_down:.2f}s "
+        f"(link_down took {t_cut - t_down:.2f}s), first token after it at +{tokens[0]['t'] - t_down:.2f}s, "
+        f"generation resumed at +{resumed['t'] - t_down:.2f}s (token {resumed['i']}, after a {stall:.2f}s "
+        f"pause), re-placed as generation {rec['generation']} on {rec['stages']}"
+    )
+    assert gone["t"] - t_down <= 2 * LEASE_S + 0.5, f"detected after {gone['t'] - t_down:.2f}s"
+
+    # Cable back: the node rejoins under its id, once, and stops the runners of generations the view dropped.
+    back = len(client.events)
+    t_up = time.monotonic()
+    lab.net.link_up(victim.host)
+    joined = client.view(lambda v: victim.node_id in alive(v), 30, f"{victim.node_id} back", back)
+    print(f"{victim.node_id} listed alive again {client.events[joined]['t'] - t_up:.2f}s after link_up")
+    at = joined
+    for _ in range(4):  # several views: exactly one entry per node id, never a ghost
+        view = client.events[at]
+        ids = [n for n, _ in view["nodes"]]
+        assert sorted(ids) == ["k1", "k2", "k3"] and all(up for _, up in view["nodes"]), view
+        at = client.view(lambda v: True, 5, "a fresh view", at + 1)
+    deadline = time.monotonic() + 15
+    while old := [r for r in victim.runners() if r[0] == instance and r[1] <= generation]:
+        assert time.monotonic() < deadline, f"{victim.node_id} still runs {old}\n{victim.tail()}"
+        time.sleep(0.1)  # polling the process table, bounded by the deadline
+    # The cluster still serves exactly, on one master.
+    last = client.events[at]
+    assert last["master"] == "k1", last
+    client.send(cmd="submit", tag="after", prompt=prompt, max_tokens=30, timeout=30)
+    again = client.event("done", 40, "a request after the rejoin", tag="after")
+    assert again["tokens"] == expected[:30]

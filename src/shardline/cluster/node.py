@@ -236,7 +236,8 @@ class Node:
             self.master.close(stop_runners=False)
             self.master = None
         if term is not None:
-            (log.info if term == 1 else log.warning)("node %s becomes master with term %d", self.node_id, term)
+            say = log.info if term == 1 else log.warning  # a change of master is news; the first is not
+            say("node %s becomes master with term %d", self.node_id, term)
             with self.lock:
                 self.state.term, self.state.master = term, self.node_id
                 self.state.events.append(cm.ClusterEvent(at=now, kind="master", node=self.node_id))

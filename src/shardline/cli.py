@@ -147,6 +147,13 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from shardline.bench.cluster import run
+
+    run(model=args.model, json_path=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -200,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--model", default=None)
     br.add_argument("--json", type=Path, default=None)
     br.set_defaults(func=cmd_bench_resume)
+    bcl = bsub.add_parser("cluster", help="join, master failover and node loss times on loopback daemons")
+    bcl.add_argument("--model", default=None)
+    bcl.add_argument("--json", type=Path, default=None)
+    bcl.set_defaults(func=cmd_bench_cluster)
     return parser
 
 

@@ -43,6 +43,7 @@ class ClusterClient:
         link = Link(multicast_interface=None, secret_file=str(secret_file) if secret_file else None)
         self.session = session or open_session([], connect, link)
         self.view: cm.ClusterView | None = None
+        self.view_arrivals: dict[int, float] = {}  # term -> when its first view arrived (monotonic)
         self._cond = threading.Condition()
         self._fronts: dict[str, Front] = {}
         self._closed = False
@@ -62,6 +63,7 @@ class ClusterClient:
             ):
                 return
             self.view = view
+            self.view_arrivals.setdefault(view.term, time.monotonic())
             fronts = dict(self._fronts)
             self._cond.notify_all()
         for rec in view.instances:

@@ -121,10 +121,15 @@ def claim(state: ClusterState, settled: bool) -> int | None:
 
     settled: this node has been up long enough to have heard a sitting master (it must not depose one it
     simply has not met yet).
+    A node that sees fewer than half of the newest view's live members claims nothing: it is most likely
+    the one cut off, and a term raised alone would, once reconnected, depose the master the others kept.
     """
     if not settled or state.is_master:
         return None
     alive = state.alive | {state.me}
+    known = {n.node_id for n in state.view.nodes if n.alive} if state.view is not None else set()
+    if 2 * len(alive & known) < len(known):
+        return None
     master, term = election.elect(alive, state.master, state.term)
     return term if master == state.me else None
 

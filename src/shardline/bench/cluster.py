@@ -1,0 +1,146 @@
+"""`shardline bench cluster`: how long the cluster takes to notice and repair, on real daemons on loopback.
+
+One run, the default model, node ids chosen so the master is known: `a0` (master, holds no stage), `b1` and
+`b2` (the instance's two stages), then `b3` joining. Measured:
+- join_to_placeable_s: `b3` starts -> a dry-run placement of the master places a stage on it;
+- master_kill_to_master_s: `a0` SIGKILLed mid-stream -> the view names a new master (runners untouched);
+- node_kill_to_next_token_s: the node holding the last stage SIGKILLed mid-stream -> the client's next token;
+- requests_lost: requests that did not end with the fault-free tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from shardline.bench.machine import describe
+from shardline.cluster.client import ClusterClient
+from shardline.cluster.placement import PlacementRequest
+from shardline.models.registry import resolve_model
+from shardline.testing.cluster import LocalCluster
+
+TOKENS = 64
+QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how the tides work, step by step."]
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def _stream_with_fault(
+    client: ClusterClient, instance: str, prompt: list[int], fault: Callable[[], None], after: int = 8
+) -> tuple[list[int], float]:
+    """Tokens of one request with `fault()` run after `after` tokens, and the seconds from the fault to the
+    token that ended the longest pause after it (the stream resumed by the rebuilt instance)."""
+    handle = client.front(instance).submit(prompt, max_tokens=TOKENS)
+    tokens: list[int] = []
+    times: list[float] = []
+    struck = 0.0
+    for tok in handle.stream(timeout=300):
+        tokens.append(tok.token)
+        times.append(time.monotonic())
+        if len(tokens) == after:
+            fault()
+            struck = time.monotonic()
+    after_fault = [struck, *(t for t in times if t > struck)]
+    gaps = [(b - a, b) for a, b in itertools.pairwise(after_fault)]
+    return tokens, (max(gaps)[1] - struck) if gaps else 0.0
+
+
+def run(model: str | None, json_path: Path | None) -> dict:
+    model_dir = resolve_model(model, progress=True)
+    prompts = _prompts(model_dir)
+    root = Path(tempfile.mkdtemp(prefix="shardline-bench-cluster-"))
+    cluster = LocalCluster(root, ["a0", "b1", "b2"], model_dir.parent)
+    cluster.runners.update(step_timeout=30.0, step_deadline_floor=2.0, heartbeat_timeout=4.0)
+    cluster.nodes["a0"].argv.append("--no-worker")
+    cluster.extra = ["--prefill-step", "128"]
+    results: dict = {"machine": describe(), "model": model_dir.name}
+    lost = 0
+    try:
+        cluster.start()
+        client = cluster.client("b1")
+        client.wait(
+            lambda v: sum(n.alive for n in v.nodes) == 3 and v.master == "a0", 60, "3 nodes, a0 master"
+        )
+        request = PlacementRequest(sequences=2, reserve_tokens=1024, hop_cost_fraction=0.0, max_stages=2)
+        reply = client.place(model_dir.name, request)
+        assert reply.instance is not None
+        instance = client.wait_ready(reply.instance.instance, 300).instance
+        expected = [client.front(instance).submit(p, max_tokens=TOKENS).tokens(timeout=300) for p in prompts]
+
+        started = time.monotonic()
+        cluster.add("b3")
+        three = request.model_copy(update={"max_stages": 3})
+        while True:
+            if time.monotonic() - started > 60:
+                raise RuntimeError("b3 never became placeable")
+            try:
+                preview = client.place(model_dir.name, three, dry_run=True).placement
+            except Exception:
+                preview = None
+            if preview is not None and "b3" in {a.node_id for a in preview.stages}:
+                break
+            client.wait(lambda v: True, 1.0, "a view")
+        results["join_to_placeable_s"] = round(time.monotonic() - started, 2)
+
+        term = client.view.term if client.view else 0
+        killed: list[float] = []
+
+        def kill_master() -> None:
+            killed.append(time.monotonic())
+            cluster.nodes["a0"].kill(signal.SIGKILL)
+
+        got, _ = _stream_with_fault(client, instance, prompts[0], kill_master)
+        client.wait(lambda v: v.master != "a0" and v.term > term, 30, "a new master")
+        results["master_kill_to_master_s"] = round(_first_master_change(client, term, killed[0]), 2)
+        lost += got != expected[0]
+
+        rec = client.wait_ready(instance, 60)
+        victim = rec.stages[-1].node_id
+        got, gap = _stream_with_fault(
+            client, instance, prompts[1], lambda: cluster.nodes[victim].kill(signal.SIGKILL)
+        )
+        results["node_kill_to_next_token_s"] = round(gap, 2)
+        lost += got != expected[1]
+        results["requests_lost"] = lost
+        results["survivor_reuse_speedup"] = None  # survivors are not reused yet: every stage restarts
+    finally:
+        cluster.close()
+    print(json.dumps(results, indent=1))
+    targets = {
+        "join_to_placeable_s": "<= 5",
+        "master_kill_to_master_s": "<= 3",
+        "node_kill_to_next_token_s": "<= 8",
+    }
+    print(
+        f"\nbench cluster on {results['machine']['cpu']}, {results['machine']['cores']} cores",
+        file=sys.stderr,
+    )
+    for key, target in {**targets, "requests_lost": "0"}.items():
+        print(f"  {key:28s} {results.get(key)!s:>8}   target {target}", file=sys.stderr)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _first_master_change(client: ClusterClient, term: int, killed_at: float) -> float:
+    """Seconds from the kill to the first view of a higher term (the client stamps views on arrival)."""
+    at = client.view_arrivals.get(term + 1) or next(
+        (t for k, t in sorted(client.view_arrivals.items()) if k > term), time.monotonic()
+    )
+    return at - killed_at

@@ -118,10 +118,7 @@ def test_sigkill_of_a_stage_node_mid_generation_replaces_and_completes_exactly(m
 
 @pytest.mark.timeout(180)
 def test_master_without_stage_killed_new_master_in_seconds_runners_untouched(make_cluster, reference):
-    cluster = make_cluster(["a0", "b1", "b2"])
-    cluster.nodes["a0"].argv.append("--no-worker")  # restart-safe: the flag holds for this node
-    cluster.nodes["a0"].stop()
-    cluster.nodes["a0"].start()
+    cluster = make_cluster(["a0", "b1", "b2"], node_extra={"a0": ["--no-worker"]})
     client = cluster.client("b1")
     wait_nodes(client, {"a0", "b1", "b2"})
     client.wait(lambda v: v.master == "a0", 15, "a0 as master")
@@ -167,8 +164,10 @@ def test_master_holding_a_stage_killed_instance_rebuilt_on_survivors(make_cluste
     cluster.nodes["m1"].kill(signal.SIGKILL)
     got += [t.token for t in stream]
     assert got == expected
+    client.wait(lambda v: v.master == "m2", 15, "m2 as the new master")
+    rebuilt = lambda v: (r := client.instance(instance)) is not None and r.generation > rec.generation  # noqa: E731
+    client.wait(rebuilt, 30, "the instance rebuilt")
     after = client.wait_ready(instance, 30)
-    assert client.view is not None and client.view.master == "m2"
     assert "m1" not in {s.node_id for s in after.stages}
 
 
@@ -249,3 +248,34 @@ def test_node_with_a_wrong_cluster_key_is_never_listed(make_cluster, tmp_path):
 def _key(path: Path, secret: str) -> Path:
     path.write_text(f"shardline:{secret}\n")
     return path
+
+
+@pytest.mark.timeout(180)
+def test_survivors_keep_their_process_and_weights_after_a_node_loss(make_cluster, reference):
+    # Equal declared speeds: the layer split is then the same over any two nodes, so the survivor's is kept.
+    cluster = make_cluster(["r1", "r2", "r3"], extra=["--compute-score", "50"])
+    client = cluster.client("r1")
+    wait_nodes(client, {"r1", "r2", "r3"})
+    instance = place(client, 2)
+    rec = client.instance(instance)
+    assert rec is not None
+    keeper, victim = rec.stages[0].node_id, rec.stages[1].node_id
+    survivor = cluster.nodes[keeper].runner_pids()
+    assert len(survivor) == 1
+    prompt = random_prompt(16, seed=17)
+    expected = reference.greedy(prompt, 400)[0]
+    handle = client.front(instance).submit(prompt, max_tokens=400)
+    stream = handle.stream(timeout=90)
+    got = [next(stream).token for _ in range(5)]
+    cluster.nodes[victim].kill(signal.SIGKILL)
+    got += [t.token for t in stream]
+    assert got == expected
+    recovered = lambda v: (r := client.instance(instance)) is not None and r.recoveries > 0  # noqa: E731
+    client.wait(recovered, 30, "the recovery")
+    after = client.wait_ready(instance, 30)
+    assert after.stages[0].node_id == keeper and victim not in {s.node_id for s in after.stages}
+    assert after.recoveries == 1
+    events = [e.message for e in client.view.events if e.kind == "failure"] if client.view else []
+    assert (after.stages[0].start, after.stages[0].end) == (rec.stages[0].start, rec.stages[0].end), events
+    assert cluster.nodes[keeper].runner_pids() == survivor  # same process, weights kept, new generation
+    assert after.stages[0].pid == survivor[0]

@@ -75,6 +75,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         worker=not args.no_worker,
         name=args.name,
         threads=args.threads,
+        compute_score=args.compute_score,
         lease_ms=args.lease_ms,
         runners=runners,
     )
@@ -241,6 +242,9 @@ def add_commands(sub: Any) -> None:
     node.add_argument("--max-queue", type=int, default=256)
     node.add_argument("--runner-settings", default=None, help="JSON: deadlines, heartbeats, restart budget")
     node.add_argument("--lease-ms", type=int, default=2000, help="a node silent this long has left")
+    node.add_argument(
+        "--compute-score", type=float, default=None, help="GFLOP/s to place by (default: measured at start)"
+    )
     node.add_argument(
         "--api-port", type=int, default=8000, help="HTTP API port (served from the next release)"
     )

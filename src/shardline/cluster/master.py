@@ -76,10 +76,10 @@ class Master:
             self._rebuild()  # one report period (and a margin) after the claim: every live node reported
         with self.node.lock:
             losses = cs.node_losses(self.node.state, list(self.records.values()))
-        for instance, generation, why in losses:
-            c = self.controllers.get(instance)
-            if c is not None:
-                c.fault(generation, why)
+        for instance, generation, why, lost in losses:
+            c, rec = self.controllers.get(instance), self.records.get(instance)
+            if c is not None and rec is not None:
+                c.fault(generation, why, [k for k, s in enumerate(rec.stages) if s.node_id in lost])
         if happened or self._dirty.is_set() or now - self._last_view >= VIEW_PERIOD_S:
             self._dirty.clear()
             self._last_view = now
@@ -137,6 +137,7 @@ class Master:
             rec.kv_budget_bytes,
             attn_keys=6 * max(1, self._hidden(rec)),
             on_change=lambda: self._changed(rec.instance),
+            reuse=r.reuse_survivors,
         )
         c.term = self.term
         with self.lock:
@@ -166,8 +167,11 @@ class Master:
             endpoints = {n: r.endpoint for n, r in node.state.reports.items()}
         if fp is None or not sources:
             raise LayoutError(f"model {rec.model!r} is on no live node")
+        with self.lock:
+            c = self.controllers.get(instance)
+        keep = _keep(rec, c) if c is not None and c.reuse else {}
         try:
-            placement = place(fp, nodes, rec.request)
+            placement = place(fp, nodes, rec.request, keep=keep)
         except PlacementError as exc:
             raise LayoutError(str(exc)) from exc
         stages = [cm.StageRecord(node_id=a.node_id, start=a.start, end=a.end) for a in placement.stages]
@@ -175,13 +179,14 @@ class Master:
             self.records[instance] = rec.model_copy(
                 update={"stages": stages, "generation": generation, "phase": "placed"}
             )
-        return [
-            (
-                node.keys.agent(a.node_id),
-                self._start_runner(rec, fp, generation, k, a, len(stages), endpoints, sources),
-            )
-            for k, a in enumerate(placement.stages)
-        ]
+            c = self.controllers.get(instance)
+        launches = []
+        for k, a in enumerate(placement.stages):
+            start = self._start_runner(rec, fp, generation, k, a, len(stages), endpoints, sources)
+            if c is not None and c.reuse:
+                start = start.model_copy(update={"reuse": _survivor(rec, c, a.node_id, a.start, a.end)})
+            launches.append((node.keys.agent(a.node_id), start))
+        return launches
 
     def _worker(self, node_id: str) -> bool:
         r = self.node.state.reports.get(node_id)
@@ -356,6 +361,27 @@ class Master:
         return cm.ClusterView(
             term=self.term, master=self.node.node_id, nodes=nodes, instances=instances, events=events
         )
+
+
+def _keep(rec: cm.InstanceRecord, c: InstanceController) -> dict[str, tuple[int, int]]:
+    """node -> layer range of the previous generation's stages that its failure did not blame."""
+    failures = c.state.failures
+    blamed = failures[-1].suspects if failures else None
+    if rec.generation < 0 or blamed is None:
+        return {}
+    return {s.node_id: (s.start, s.end) for k, s in enumerate(rec.stages) if k not in blamed}
+
+
+def _survivor(rec: cm.InstanceRecord, c: InstanceController, node_id: str, start: int, end: int) -> bool:
+    """Whether the previous generation ran these layers on this node, in a stage its failure did not blame."""
+    failures = c.state.failures
+    blamed = failures[-1].suspects if failures else None
+    if rec.generation < 0 or blamed is None:
+        return False
+    return any(
+        (s.node_id, s.start, s.end) == (node_id, start, end) and k not in blamed
+        for k, s in enumerate(rec.stages)
+    )
 
 
 def _phase(controller_phase: str, stage_phases: list[str]) -> cm.InstancePhase:

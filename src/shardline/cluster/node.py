@@ -55,6 +55,7 @@ class RunnerSettings(BaseModel):
     backoff_s: float = Field(0.2, ge=0)
     backoff_max_s: float = Field(5.0, ge=0)
     max_queue: int = Field(256, ge=1)
+    reuse_survivors: bool = True  # after a failure, stages it did not blame keep their process and weights
 
 
 class NodeConfig(BaseModel):
@@ -71,6 +72,7 @@ class NodeConfig(BaseModel):
     worker: bool = True  # False: this node never holds a stage (it may still be master and serve)
     name: str | None = None
     threads: int = Field(0, ge=0)  # per runner; 0: the machine's cores over the stages it holds
+    compute_score: float | None = Field(None, gt=0)  # None: measured at start
     report_s: float = Field(0.5, gt=0)
     lease_ms: int = Field(2000, ge=200)
     settle_s: float = Field(1.5, ge=0)  # listen this long for a sitting master before claiming
@@ -108,7 +110,7 @@ class Node:
         self.link = Link(config.lease_ms, config.multicast_interface, secret)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
-        self.score = compute_score()
+        self.score = config.compute_score or compute_score()
         self.device = device_kind()
         self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
         self.lock = threading.RLock()  # the state; never held while sending

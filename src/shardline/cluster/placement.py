@@ -19,7 +19,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -234,12 +234,20 @@ def _min_bottleneck(c: _Costs, order: Sequence[NodeCapacity], kmax: int) -> floa
     return min(best[k][n] for k in range(2, kmax + 1))
 
 
-def _balanced(c: _Costs, order: Sequence[NodeCapacity], bound: float) -> list[tuple[NodeCapacity, int, int]]:
-    """Among splits with every stage within `bound`: fewest stages, then shares closest to proportional to
-    speed (least sum of work * time, which is smallest when every stage takes equally long)."""
+def _balanced(
+    c: _Costs,
+    order: Sequence[NodeCapacity],
+    bound: float,
+    keep: Mapping[str, tuple[int, int]] | None = None,
+) -> list[tuple[NodeCapacity, int, int]]:
+    """Among splits with every stage within `bound`: most ranges kept where `keep` asks (a node that already
+    holds those layers), then fewest stages, then shares closest to proportional to speed (least sum of
+    work * time, which is smallest when every stage takes equally long)."""
+    keep = keep or {}
     n = c.model.layers
-    best: list[tuple[int, float, tuple] | None] = [None] * (n + 1)  # (stages, energy, path) for [0, i)
-    best[0] = (0, 0.0, ())
+    # best[i]: (-kept, stages, energy, path) for layers [0, i)
+    best: list[tuple[int, int, float, tuple] | None] = [None] * (n + 1)
+    best[0] = (0, 0, 0.0, ())
     for node in order:
         for s in range(n - 1, -1, -1):  # downwards: writes go to e > s, never to a prefix read later
             if (here := best[s]) is None:
@@ -250,21 +258,40 @@ def _balanced(c: _Costs, order: Sequence[NodeCapacity], bound: float) -> list[tu
                     break
                 if (s, e) == (0, n):
                     continue
-                cand = (here[0] + 1, here[1] + t * t * node.compute_score, (*here[2], (node, s, e)))
-                if (old := best[e]) is None or cand[:2] < old[:2]:
+                kept = here[0] - (keep.get(node.node_id) == (s, e))
+                cand = (kept, here[1] + 1, here[2] + t * t * node.compute_score, (*here[3], (node, s, e)))
+                if (old := best[e]) is None or cand[:3] < old[:3]:
                     best[e] = cand
     assert best[n] is not None, "bound came from a feasible split"
-    return list(best[n][2])
+    return list(best[n][3])
 
 
 def place(
-    model: ModelFootprint, nodes: Sequence[NodeCapacity], request: PlacementRequest | None = None
+    model: ModelFootprint,
+    nodes: Sequence[NodeCapacity],
+    request: PlacementRequest | None = None,
+    keep: Mapping[str, tuple[int, int]] | None = None,
+    keep_slack: float = 0.25,
 ) -> Placement:
-    """The placement with the fastest slowest stage (fewest stages on ties); raises PlacementError."""
+    """The placement with the fastest slowest stage (fewest stages on ties); raises PlacementError.
+
+    keep: node -> layer range it holds already (survivors of a failed generation). Splits whose slowest stage
+    is within `keep_slack` of the best are then preferred by how many of those ranges they keep: measured
+    compute scores differ by noise, and a survivor that keeps its range keeps its process and weights."""
     request = PlacementRequest() if request is None else request
     if len({n.node_id for n in nodes}) != len(nodes):
         raise ValueError(f"duplicate node ids in {[n.node_id for n in nodes]}")
     order = sorted(nodes, key=lambda n: n.node_id)
+    if keep:
+        # Survivors where their layers are, the others where the first hole is: a node that left mid-ring
+        # is replaced in the middle, not appended at the end (which would shift every range after it).
+        held = sorted(r for node, r in keep.items() if any(x.node_id == node for x in nodes))
+        hole, covered = 0, held
+        for start, end in covered:
+            if start > hole:
+                break
+            hole = max(hole, end)
+        order.sort(key=lambda x: (keep[x.node_id][0] if x.node_id in keep else hole, x.node_id))
     tokens = round_up(request.reserve_tokens or min(model.context_length, DEFAULT_RESERVE_TOKENS))
     kv_layer = model.kv_bytes_per_token_per_layer * tokens * request.sequences
     c = _Costs(model, [0, *accumulate(model.layer_bytes)], kv_layer, request.activation_bytes)
@@ -278,7 +305,7 @@ def place(
     if single is not None and single[0] <= bottleneck + hop:
         stages, hop = [(single[2], 0, n)], 0.0
     elif bottleneck < math.inf:
-        stages = _balanced(c, order, bottleneck)
+        stages = _balanced(c, order, bottleneck * (1 + keep_slack) if keep else bottleneck, keep)
     else:
         raise _no_fit(c, order, request, tokens, kmax)
     assignments = [

@@ -134,8 +134,10 @@ def claim(state: ClusterState, settled: bool) -> int | None:
     return term if master == state.me else None
 
 
-def node_losses(state: ClusterState, instances: list[cm.InstanceRecord]) -> list[tuple[str, int, str]]:
-    """(instance, generation, why) for every live instance with a stage on a node that is not alive."""
+def node_losses(
+    state: ClusterState, instances: list[cm.InstanceRecord]
+) -> list[tuple[str, int, str, set[str]]]:
+    """(instance, generation, why, lost nodes) for every live instance with a stage on a node that left."""
     alive = state.alive | {state.me}
     out = []
     for rec in instances:
@@ -143,7 +145,7 @@ def node_losses(state: ClusterState, instances: list[cm.InstanceRecord]) -> list
             continue
         lost = sorted({s.node_id for s in rec.stages if s.node_id not in alive})
         if lost:
-            out.append((rec.instance, rec.generation, f"node {', '.join(lost)} left the cluster"))
+            out.append((rec.instance, rec.generation, f"node {', '.join(lost)} left the cluster", set(lost)))
     return out
 
 

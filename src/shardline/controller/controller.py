@@ -45,8 +45,12 @@ class InstanceController:
         kv_budget_bytes: int,
         attn_keys: int,
         on_change: Callable[[], None] = lambda: None,
+        reuse: bool = False,
     ) -> None:
-        """on_change: called (outside the lock) after the state changed phase or generation."""
+        """on_change: called (outside the lock) after the state changed phase or generation.
+        reuse: after a failure, stop only the blamed stages; the layout may hand the others' processes to
+        the next generation (StartRunner.reuse), and whatever it did not reuse is stopped at launch."""
+        self.reuse = reuse
         self.config = config
         self.keys = keys
         self.layout = layout
@@ -91,11 +95,12 @@ class InstanceController:
             self._cond.wait_for(lambda: self.state.phase in ("serving", "failed", "stopped"), timeout)
             return self.state.phase
 
-    def fault(self, generation: int, why: str) -> None:
+    def fault(self, generation: int, why: str, stages: list[int] | None = None) -> None:
         """Someone else saw this generation break (its node left the cluster): recover it."""
         with self._cond:
             if generation == self.state.generation and self.state.fault is None:
                 self.state.fault = why
+                self.state.fault_stages = list(stages or [])
 
     def detach(self) -> None:
         """Stop judging and leave every runner as it is: a new master takes the instance over."""
@@ -210,6 +215,10 @@ class InstanceController:
         self.launches = launches
         for key, start in launches:
             self._outgoing.append((self._agent(key), start))
+        if self.reuse:  # after the hand-overs (same outbox, in order): what was not reused stops now
+            for agent in self._agents.values():
+                stop = m.StopGeneration(instance=self.keys.instance, keep=gen, term=self.term)
+                self._outgoing.append((agent, stop))
 
     def _agent(self, key: str) -> Outbox:
         if key not in self._agents:
@@ -220,8 +229,14 @@ class InstanceController:
         s = self.state
         log.error("instance %s generation %d: %s", self.keys.instance, s.generation, why)
         pids = [v.pid for v in s.views if v.pid is not None]
-        s.failures.append(st.Failure(why, s.generation, now, time.time(), pids))
-        self._stop_all()
+        blamed = st.suspects(s, self.config, now)
+        s.failures.append(st.Failure(why, s.generation, now, time.time(), pids, suspects=blamed))
+        if self.reuse and blamed is not None:
+            for agent in self._agents.values():
+                stop = m.StopGeneration(instance=self.keys.instance, keep=-1, term=self.term, stages=blamed)
+                self._outgoing.append((agent, stop))
+        else:
+            self._stop_all()
         decision = st.after_failure(s, self.config, why, now)
         if isinstance(decision, st.GiveUp):
             self._give_up(decision.why)

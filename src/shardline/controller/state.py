@@ -67,7 +67,8 @@ class Failure:
     generation: int
     detected_at: float  # monotonic
     detected_wall: float  # time.time(), comparable with timestamps other processes log
-    pids: list[int]  # the runners of the failed generation, all killed
+    pids: list[int]  # the runners of the failed generation
+    suspects: list[int] | None = None  # stages blamed (None: all); the others may be reused
     recovered_at: float | None = None
     requests_resumed: int = 0
 
@@ -82,7 +83,8 @@ class InstanceState:
     views: list[StageView] = field(default_factory=list)
     speeds: list[Speed] = field(default_factory=list)  # per stage, carried across generations
     failures: list[Failure] = field(default_factory=list)
-    fault: str | None = None  # a lost message reported by a front
+    fault: str | None = None  # a lost message reported by a front, a node that left
+    fault_stages: list[int] = field(default_factory=list)  # the stages that fault blames
     failure: str | None = None  # why the instance gave up
     dropped: int = 0  # frames of other generations, unknown stages
 
@@ -100,6 +102,7 @@ def new_generation(state: InstanceState, now: float, stages: int | None = None) 
     state.phase = "starting"
     state.started_at = now
     state.fault = None
+    state.fault_stages = []
     state.views = [StageView() for _ in range(state.stages)]
 
 
@@ -192,30 +195,43 @@ def _exit_text(e: m.RunnerExited) -> str:
     return f"{how}: {' | '.join(e.log_tail) or '(no output)'}"
 
 
+def _stage_problem(state: InstanceState, cfg: ControllerConfig, now: float, stage: int) -> str | None:
+    v = state.views[stage]
+    if v.failed is not None:
+        return f"stage {stage} failed ({v.failed.reason}): {v.failed.message}"
+    if v.fatal is not None:
+        return f"stage {stage} reported {v.fatal.kind}: {v.fatal.line}"
+    if v.exited is not None:
+        return f"stage {stage} {_exit_text(v.exited)}"
+    if v.stopped:
+        return f"stage {stage} stalled: its process is stopped (SIGSTOP)"
+    if v.alive and now - v.last_heard > cfg.heartbeat_timeout:
+        return f"stage {stage} stalled: no heartbeat for {now - v.last_heard:.1f}s"
+    hb = v.heartbeat
+    if hb is not None and hb.busy:
+        running = hb.busy_for_s + (now - v.heartbeat_at)
+        deadline = cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context)
+        if running > deadline:
+            return (
+                f"stage {stage} stalled: one step of {hb.busy_n} positions running for {running:.1f}s "
+                f"(deadline {deadline:.1f}s)"
+            )
+    return None
+
+
+def suspects(state: InstanceState, cfg: ControllerConfig, now: float) -> list[int] | None:
+    """The stages a failure blames; None when it blames no stage in particular (all are suspect)."""
+    bad = {k for k in range(len(state.views)) if _stage_problem(state, cfg, now, k) is not None}
+    return sorted(bad | set(state.fault_stages)) or None
+
+
 def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None:
     """Why this generation can no longer be trusted, naming the stage; None while it is healthy."""
     if state.phase not in ("starting", "serving"):
         return None
-    for stage, v in enumerate(state.views):
-        if v.failed is not None:
-            return f"stage {stage} failed ({v.failed.reason}): {v.failed.message}"
-        if v.fatal is not None:
-            return f"stage {stage} reported {v.fatal.kind}: {v.fatal.line}"
-        if v.exited is not None:
-            return f"stage {stage} {_exit_text(v.exited)}"
-        if v.stopped:
-            return f"stage {stage} stalled: its process is stopped (SIGSTOP)"
-        if v.alive and now - v.last_heard > cfg.heartbeat_timeout:
-            return f"stage {stage} stalled: no heartbeat for {now - v.last_heard:.1f}s"
-        hb = v.heartbeat
-        if hb is not None and hb.busy:
-            running = hb.busy_for_s + (now - v.heartbeat_at)
-            deadline = cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context)
-            if running > deadline:
-                return (
-                    f"stage {stage} stalled: one step of {hb.busy_n} positions running for {running:.1f}s "
-                    f"(deadline {deadline:.1f}s)"
-                )
+    for stage in range(len(state.views)):
+        if (problem := _stage_problem(state, cfg, now, stage)) is not None:
+            return problem
     if state.fault is not None:
         return f"lost message: {state.fault}"
     if state.phase == "starting":

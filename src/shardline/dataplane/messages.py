@@ -302,6 +302,7 @@ class StartRunner(Wire):
     kind: Literal["start_runner"] = "start_runner"
     spec: RunnerSpec
     threads: int = 1
+    reuse: bool = False  # a live runner of an older generation with this layer range joins instead
     sources: list[str] = []  # nodes holding the model's files, for a node that lacks them
     term: int = 0  # the master's term: a node obeys the highest it has seen
 
@@ -314,10 +315,24 @@ class StopGeneration(Wire):
     keep: int = -1
     grace_s: float = 0.0
     term: int = 0
+    stages: list[int] = []  # only these stages (empty: every stage)
 
 
 AgentCommand = Annotated[StartRunner | StopGeneration, Field(discriminator="kind")]
 AGENT = TypeAdapter(AgentCommand)
+
+
+# ---- runner: node agent -> one live runner ------------------------------------------------------------
+
+
+class Rejoin(Wire):
+    """Join generation spec.generation as spec.stage, keeping the loaded weights, dropping all KV."""
+
+    kind: Literal["rejoin"] = "rejoin"
+    spec: RunnerSpec
+
+
+REJOIN = TypeAdapter(Rejoin)
 
 
 # ---- instance: controller -> fronts ---------------------------------------------------------------------

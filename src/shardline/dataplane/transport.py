@@ -106,6 +106,9 @@ class Keys:
     def status_any(self) -> str:
         return f"{self.base}/*/status/*"
 
+    def runner(self, runner_id: str) -> str:
+        return f"{self.base}/runner/{runner_id}"  # node agent -> one runner process, across generations
+
     @property
     def reports(self) -> str:
         return f"{self.base}/reports"  # node agents and fronts -> controller

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,7 @@ class NodeAgent:
                 if isinstance(msg, m.StartRunner):
                     self._start(msg)
                 elif isinstance(msg, m.StopGeneration):
-                    self.stop_instance(msg.instance, msg.keep, msg.grace_s)
+                    self.stop_instance(msg.instance, msg.keep, msg.grace_s, msg.stages)
             except Exception:  # one bad command must not end the agent
                 log.exception("agent command %s failed", type(msg).__name__)
 
@@ -116,6 +117,8 @@ class NodeAgent:
     def _start(self, cmd: m.StartRunner) -> None:
         spec = cmd.spec
         if self._closed.is_set():
+            return
+        if cmd.reuse and self._rejoin(spec):
             return
         if spec.model_dir or self._fetch is None:
             self._spawn(spec, cmd.threads)
@@ -151,8 +154,42 @@ class NodeAgent:
         if not gone:
             self._spawn(spec.model_copy(update={"model_dir": str(model_dir)}), cmd.threads)
 
+    def _rejoin(self, spec: m.RunnerSpec) -> bool:
+        """Hand the new generation's stage to a live runner of an older one holding the same layers."""
+        with self._lock:
+            found = [
+                (k, r)
+                for k, r in self._runners.items()
+                if k[0] == spec.instance
+                and k[1] < spec.generation
+                and (r.spec.layer_start, r.spec.layer_end) == (spec.layer_start, spec.layer_end)
+                and r.proc.poll() is None
+            ]
+            if not found:
+                return False
+            key, runner = max(found, key=lambda kr: kr[0][1])
+            old = runner.spec
+            new = spec.model_copy(
+                update={"model_dir": old.model_dir, "runner_id": old.runner_id, "parent_pid": os.getpid()}
+            )
+            try:
+                to_runner = Outbox(self.session, Keys(old.instance, 0, old.namespace).runner(old.runner_id))
+                to_runner.generation = old.generation  # the runner takes only its own generation's frames
+                to_runner.wait_matched(2.0)
+                to_runner.send(m.Rejoin(spec=new))
+                to_runner.close()
+            except Exception as exc:
+                log.warning("runner %d could not be reused: %s", runner.proc.pid, exc)
+                return False
+            del self._runners[key]
+            runner.spec = new  # its exit is now the new generation's
+            self._runners[(new.instance, new.generation, new.stage)] = runner
+        log.info("stage %d of %s reuses runner %d", new.stage, new.instance, runner.proc.pid)
+        self._report(new, m.RunnerStarted(generation=new.generation, stage=new.stage, pid=runner.proc.pid))
+        return True
+
     def _spawn(self, spec: m.RunnerSpec, threads: int) -> None:
-        spec = spec.model_copy(update={"parent_pid": os.getpid()})
+        spec = spec.model_copy(update={"parent_pid": os.getpid(), "runner_id": uuid.uuid4().hex})
         key = (spec.instance, spec.generation, spec.stage)
         with self._lock:
             if self._closed.is_set():
@@ -173,7 +210,6 @@ class NodeAgent:
         threading.Thread(target=self._wait, args=(runner,), daemon=True, name=f"wait-{proc.pid}").start()
 
     def _wait(self, runner: _Runner) -> None:
-        spec = runner.spec
         stopped_reported = False
         while True:
             try:
@@ -184,10 +220,12 @@ class NodeAgent:
             # A stopped process sends nothing, not even what it queued before the signal: say so at once.
             if not stopped_reported and _is_stopped(runner.proc.pid):
                 stopped_reported = True
+                spec = runner.spec
                 stopped = m.RunnerStopped(generation=spec.generation, stage=spec.stage, pid=runner.proc.pid)
                 self._report(spec, stopped)
         runner.pump.join(timeout=5)  # its last lines, for the tail
         runner.log.close()
+        spec = runner.spec  # read now: a reused runner belongs to its newest generation
         with self._lock:
             self._runners.pop((spec.instance, spec.generation, spec.stage), None)
         exited = m.RunnerExited(
@@ -200,10 +238,17 @@ class NodeAgent:
         )
         self._report(spec, exited)
 
-    def stop_instance(self, instance: str, keep: int = -1, grace_s: float = 0.0) -> None:
-        """Stop the instance's runners of every generation but `keep` (-1: all), fetches included."""
+    def stop_instance(
+        self, instance: str, keep: int = -1, grace_s: float = 0.0, stages: list[int] | None = None
+    ) -> None:
+        """Stop the instance's runners of every generation but `keep` (-1: all), fetches included; with
+        `stages`, only those stages."""
         with self._lock:
-            doomed = [r for (i, g, _), r in self._runners.items() if i == instance and g != keep]
+            doomed = [
+                r
+                for (i, g, s), r in self._runners.items()
+                if i == instance and g != keep and (not stages or s in stages)
+            ]
             self._cancelled |= {k for k in self._pending if k[0] == instance and k[1] != keep}
         stop_runners([r.proc for r in doomed], grace=grace_s)
 

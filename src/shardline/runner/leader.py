@@ -88,6 +88,10 @@ class Leader:
                 if env.source == "control":
                     self.early.append(env)  # a front that heard early: served, in order, once warm
                     continue
+                if isinstance(msg, m.Rejoin):
+                    from shardline.runner.process import RejoinRequested
+
+                    raise RejoinRequested(msg.spec)
                 self.r.inbox.drop(f"{msg.kind} during ring warm-up")
         self.worker.release(WARMUP_ID)
         if self.r.downstream is not None:
@@ -158,6 +162,10 @@ class Leader:
             self.on_submit(msg.request)
         elif isinstance(msg, m.Cancel):
             self.on_cancel(msg.request_id)
+        elif isinstance(msg, m.Rejoin):
+            from shardline.runner.process import RejoinRequested
+
+            raise RejoinRequested(msg.spec)
         elif isinstance(msg, m.Shutdown):
             if self.r.downstream is not None:
                 self.r.downstream.send(m.Stop())

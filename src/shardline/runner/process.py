@@ -33,6 +33,14 @@ class StopRunner(Exception):
     pass
 
 
+class RejoinRequested(Exception):
+    """The node agent hands this process a stage of a newer generation (same layers): relink, keep weights."""
+
+    def __init__(self, spec: RunnerSpec) -> None:
+        super().__init__(f"rejoin as generation {spec.generation} stage {spec.stage}")
+        self.spec = spec
+
+
 def step_phase(step: m.Step) -> str:
     return "decode" if step.n == 1 and step.pos > 0 else "prefill"
 
@@ -42,10 +50,7 @@ class Runner:
         self.spec = spec
         self.keys = Keys(spec.instance, spec.generation, spec.namespace)
         self.session = open_session(spec.listen, spec.connect)
-        self.inbox = Inbox(self.session, spec.generation, name=f"stage {spec.stage}")
-        self.inbox.subscribe(self.keys.ring(spec.stage), m.RING, "ring")
-        if spec.is_leader:
-            self.inbox.subscribe(self.keys.control, m.CONTROL, "control")
+        self.inbox = self._inbox(spec)
         self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
         self.faults = Faults(spec.fault)
         self.policy = DeadlinePolicy(
@@ -60,6 +65,15 @@ class Runner:
         self.last_step: m.StepTime | None = None
         self.phase: str = "loading"
         self.weight_bytes = 0
+
+    def _inbox(self, spec: RunnerSpec) -> Inbox:
+        inbox = Inbox(self.session, spec.generation, name=f"stage {spec.stage}")
+        inbox.subscribe(self.keys.ring(spec.stage), m.RING, "ring")
+        if spec.is_leader:
+            inbox.subscribe(self.keys.control, m.CONTROL, "control")
+        if spec.runner_id:
+            inbox.subscribe(self.keys.runner(spec.runner_id), m.REJOIN, "agent")
+        return inbox
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -82,6 +96,32 @@ class Runner:
         )
         for t in warmup:
             self.speed.observe(t.n, t.context, t.seconds)
+        self._link(warmup)
+
+    def rejoin(self, spec: RunnerSpec) -> None:
+        """Serve a newer generation with the weights already loaded: new keys, no KV, a fresh warm-up."""
+        assert self.worker is not None
+        self.phase, self.leader = "loading", None
+        for outbox in (self.downstream, self.events):
+            if outbox is not None:
+                outbox.close()
+        self.downstream = self.events = None
+        self.inbox.close()
+        old_status = self.status
+        self.spec, self.keys = spec, Keys(spec.instance, spec.generation, spec.namespace)
+        self.faults = Faults(spec.fault)
+        self.worker.caches.clear()  # the old generation's requests are resubmitted by their fronts
+        self.inbox = self._inbox(spec)
+        self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
+        old_status.close()
+        self.status.wait_matched(spec.load_timeout)
+        self.status.send(m.Loading(stage=spec.stage, pid=os.getpid()))
+        self._link([])
+
+    def _link(self, warmup: list[m.StepTime]) -> None:
+        """Links to the next stage (and, on the leader, to the fronts), the ring warmed, then Ready."""
+        spec = self.spec
+        assert self.worker is not None
         if spec.stages > 1:
             self.downstream = Outbox(self.session, self.keys.ring(spec.next_stage), spec.generation)
             self.downstream.wait_matched(spec.load_timeout)
@@ -203,6 +243,8 @@ class Runner:
                 if not self.spec.is_last:
                     self.downstream.send(msg)
                 raise StopRunner
+            elif isinstance(msg, m.Rejoin):
+                raise RejoinRequested(msg.spec)
             else:
                 self.inbox.drop(f"stage {self.spec.stage} does not take {msg.kind} messages")
 
@@ -236,9 +278,21 @@ def main(argv: list[str]) -> int:
     runner = Runner(spec)
     phase = "load"
     try:
-        runner.start()
+        pending: RunnerSpec | None = None
+        try:
+            runner.start()
+        except RejoinRequested as rejoin:  # the generation failed while this stage was warming up
+            pending = rejoin.spec
         phase = "serve"
-        runner.serve()
+        while True:
+            try:
+                if pending is not None:
+                    spec, pending = pending, None
+                    runner.rejoin(spec)
+                runner.serve()
+                break
+            except RejoinRequested as rejoin:
+                pending = rejoin.spec
     except StopRunner:
         return 0
     except BaseException as exc:

@@ -34,6 +34,7 @@ class RunnerSpec(BaseModel):
     model_dir: str  # on the node that runs it; a node agent fills it in from `model` when empty
     model: str = ""  # the model's name across the cluster (a node without its files fetches the stage)
     namespace: str = "shardline"
+    runner_id: str = ""  # set by the node agent: where a Rejoin reaches this process
     layer_start: int
     layer_end: int
     layer_total: int

@@ -108,6 +108,7 @@ class LocalCluster:
     ids: list[str]
     models_dir: Path
     extra: list[str] = field(default_factory=list)
+    node_extra: dict[str, list[str]] = field(default_factory=dict)  # flags of one node only
     runners: dict = field(default_factory=lambda: dict(FAST_RUNNERS))
     namespace: str = "shardline"
     nodes: dict[str, NodeProc] = field(default_factory=dict)
@@ -118,6 +119,7 @@ class LocalCluster:
         first = f"tcp/127.0.0.1:{ports[0]}"
         for i, (node_id, port) in enumerate(zip(self.ids, ports, strict=True)):
             argv = self.argv(node_id, f"tcp/127.0.0.1:{port}", [] if i == 0 else [first])
+            argv += self.node_extra.get(node_id, [])
             endpoint = f"tcp/127.0.0.1:{port}"
             self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, endpoint)
 

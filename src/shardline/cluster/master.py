@@ -53,6 +53,7 @@ class Master:
         self._dirty = threading.Event()
         self._closed = False
         self._answered: dict[str, cm.MasterReply] = {}
+        self._seq = 0  # views published by this master
         assert node.session is not None
         self._queryable = node.session.declare_queryable(node.keys.query, self._on_query)
 
@@ -229,9 +230,8 @@ class Master:
             max_waiting=r.max_queue + 16,
             heartbeat_s=r.heartbeat_s,
         )
-        return m.StartRunner(
-            spec=spec, threads=self.node.config.threads or 1, sources=sources, term=self.term
-        )
+        threads = self.node.config.threads or 1
+        return m.StartRunner(spec=spec, threads=threads, sources=sources, term=self.term, view_seq=self._seq)
 
     def _changed(self, instance: str) -> None:
         with self.lock:
@@ -358,8 +358,11 @@ class Master:
             events = list(st.events)[-EVENTS_IN_VIEW:]
         with self.lock:
             instances = list(self.records.values())
+        with self.lock:
+            self._seq += 1
+            seq = self._seq
         return cm.ClusterView(
-            term=self.term, master=self.node.node_id, nodes=nodes, instances=instances, events=events
+            term=self.term, master=self.node.node_id, seq=seq, nodes=nodes, instances=instances, events=events
         )
 
 

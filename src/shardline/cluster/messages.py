@@ -44,6 +44,7 @@ class RunnerInfo(Wire):
     start: int
     end: int
     pid: int | None = None  # None while the stage's weights are being fetched
+    issued: tuple[int, int] = (0, 0)  # (term, view seq) of the master when it started this runner
 
 
 class NodeReport(Wire):
@@ -109,6 +110,7 @@ class ClusterView(Wire):
     kind: Literal["view"] = "view"
     term: int
     master: str
+    seq: int = 0  # counts this master's views: a view older than a command does not judge its runners
     nodes: list[NodeSummary] = []
     instances: list[InstanceRecord] = []
     events: list[ClusterEvent] = []  # the newest few, oldest first

@@ -255,12 +255,6 @@ class Node:
         assert self.agent is not None
         held = self.runner_infos()
         for instance, keep in cs.stale_runners(view, held):
-            listed = any(r.instance == instance for r in view.instances)
-            newest = max((r.generation for r in held if r.instance == instance), default=-1)
-            if listed and newest > keep:
-                continue  # a newer generation than the view knows: the view is older than its launch
-            if not listed and time.monotonic() - self.started_mono < 2 * self.config.settle_s:
-                continue
             log.warning("stopping runners of %s not in the view (keeping generation %d)", instance, keep)
             self.agent.stop_instance(instance, keep)
 
@@ -275,9 +269,15 @@ class Node:
             return []
         infos = [
             cm.RunnerInfo(
-                instance=i, generation=g, stage=s, start=spec.layer_start, end=spec.layer_end, pid=pid
+                instance=i,
+                generation=g,
+                stage=s,
+                start=spec.layer_start,
+                end=spec.layer_end,
+                pid=pid,
+                issued=issued,
             )
-            for (i, g, s), spec, pid in self.agent.held()
+            for (i, g, s), spec, pid, issued in self.agent.held()
         ]
         return infos
 

@@ -150,14 +150,20 @@ def node_losses(
 
 
 def stale_runners(view: cm.ClusterView, held: list[cm.RunnerInfo]) -> list[tuple[str, int]]:
-    """(instance, generation to keep or -1) for runners the view no longer lists: they must stop."""
+    """(instance, generation to keep or -1) for runners the view no longer lists: they must stop.
+
+    A view judges only runners started before it was made: views and commands travel on different keys, so
+    a view may arrive after a newer command (its instance or generation not in it yet)."""
     current = {r.instance: r.generation for r in view.instances if r.phase != "failed"}
-    doomed = set()
+    made = (view.term, view.seq)
+    doomed, spared = set(), set()
     for r in held:
         keep = current.get(r.instance, -1)
-        if r.generation != keep:
+        if r.issued >= made or r.generation > keep >= 0:
+            spared.add(r.instance)  # newer than the view: it cannot judge this instance yet
+        elif r.generation != keep:
             doomed.add((r.instance, keep))
-    return sorted(doomed)
+    return sorted(d for d in doomed if d[0] not in spared)
 
 
 def capacities(state: ClusterState, instance: str | None = None) -> list[NodeCapacity]:

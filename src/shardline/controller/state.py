@@ -141,6 +141,11 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
     if isinstance(msg, m.GenerationFault):
         state.fault = state.fault or msg.why
         return
+    if isinstance(msg, m.PeerLost):
+        if state.fault is None and 0 <= msg.peer < len(state.views):
+            state.fault = f"stage {msg.peer} vanished: stage {msg.stage} lost its link to it"
+            state.fault_stages = [msg.peer]
+        return
     assert stage is not None
     view = state.views[stage]
     if isinstance(msg, m.RunnerStarted):

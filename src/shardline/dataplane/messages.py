@@ -262,6 +262,14 @@ class WeightsProgress(Wire):
     source: str = ""
 
 
+class PeerLost(Wire):
+    """Runner: the next stage's process is gone (its subscription vanished): it cannot have received more."""
+
+    kind: Literal["peer_lost"] = "peer_lost"
+    stage: int
+    peer: int
+
+
 class GenerationFault(Wire):
     """Front: the generation lost a message (a token gap, a request the leader no longer holds)."""
 
@@ -288,6 +296,7 @@ RunnerStatus = Annotated[
     | RunnerStopped
     | RunnerDiagnostic
     | WeightsProgress
+    | PeerLost
     | GenerationFault
     | Resubmitted,
     Field(discriminator="kind"),
@@ -305,6 +314,7 @@ class StartRunner(Wire):
     reuse: bool = False  # a live runner of an older generation with this layer range joins instead
     sources: list[str] = []  # nodes holding the model's files, for a node that lacks them
     term: int = 0  # the master's term: a node obeys the highest it has seen
+    view_seq: int = 0  # the master's newest view when it decided this: later views list the runner
 
 
 class StopGeneration(Wire):

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,17 @@ class Keys:
 class Outbox:
     """The single sender of one link; frames carry the sender's generation."""
 
-    def __init__(self, session: zenoh.Session, key: str, generation: int = 0) -> None:
+    def __init__(
+        self,
+        session: zenoh.Session,
+        key: str,
+        generation: int = 0,
+        on_lost: Callable[[], None] | None = None,
+        lost_grace_s: float = 0.5,
+    ) -> None:
+        """on_lost: called (on its own thread) when a receiver that was there is gone for lost_grace_s."""
+        self._on_lost = on_lost
+        self._lost_grace_s = lost_grace_s
         self._matched = threading.Event()
         self._pub = session.declare_publisher(
             key, congestion_control=zenoh.CongestionControl.BLOCK, express=True
@@ -136,7 +147,15 @@ class Outbox:
         if status.matching:
             self._matched.set()
         else:
+            was = self._matched.is_set()
             self._matched.clear()
+            if was and self._on_lost is not None:
+                threading.Thread(target=self._confirm_lost, daemon=True, name="outbox-lost").start()
+
+    def _confirm_lost(self) -> None:
+        # A route re-formed around a peer that left can blink: only a receiver gone for the grace is lost.
+        if not self._matched.wait(self._lost_grace_s) and self._on_lost is not None:
+            self._on_lost()
 
     def wait_matched(self, timeout: float) -> None:
         if not self._matched.wait(timeout):
@@ -153,6 +172,7 @@ class Outbox:
         self._pub.put(data)
 
     def close(self) -> None:
+        self._on_lost = None  # closing is not losing
         try:
             self._listener.undeclare()
             self._pub.undeclare()

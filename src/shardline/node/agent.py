@@ -46,6 +46,7 @@ class _Runner:
     proc: subprocess.Popen
     log: RotatingLog
     pump: threading.Thread
+    issued: tuple[int, int] = (0, 0)  # (term, view seq) of the command that started or handed it over
 
 
 RunnerKey = tuple[str, int, int]  # instance, generation, stage
@@ -118,10 +119,11 @@ class NodeAgent:
         spec = cmd.spec
         if self._closed.is_set():
             return
-        if cmd.reuse and self._rejoin(spec):
+        issued = (cmd.term, cmd.view_seq)
+        if cmd.reuse and self._rejoin(spec, issued):
             return
         if spec.model_dir or self._fetch is None:
-            self._spawn(spec, cmd.threads)
+            self._spawn(spec, cmd.threads, issued)
             return
         key = (spec.instance, spec.generation, spec.stage)
         with self._lock:
@@ -152,9 +154,10 @@ class NodeAgent:
                 gone = key in self._cancelled
                 self._cancelled.discard(key)
         if not gone:
-            self._spawn(spec.model_copy(update={"model_dir": str(model_dir)}), cmd.threads)
+            issued = (cmd.term, cmd.view_seq)
+            self._spawn(spec.model_copy(update={"model_dir": str(model_dir)}), cmd.threads, issued)
 
-    def _rejoin(self, spec: m.RunnerSpec) -> bool:
+    def _rejoin(self, spec: m.RunnerSpec, issued: tuple[int, int]) -> bool:
         """Hand the new generation's stage to a live runner of an older one holding the same layers."""
         with self._lock:
             found = [
@@ -182,13 +185,13 @@ class NodeAgent:
                 log.warning("runner %d could not be reused: %s", runner.proc.pid, exc)
                 return False
             del self._runners[key]
-            runner.spec = new  # its exit is now the new generation's
+            runner.spec, runner.issued = new, issued  # its exit is now the new generation's
             self._runners[(new.instance, new.generation, new.stage)] = runner
         log.info("stage %d of %s reuses runner %d", new.stage, new.instance, runner.proc.pid)
         self._report(new, m.RunnerStarted(generation=new.generation, stage=new.stage, pid=runner.proc.pid))
         return True
 
-    def _spawn(self, spec: m.RunnerSpec, threads: int) -> None:
+    def _spawn(self, spec: m.RunnerSpec, threads: int, issued: tuple[int, int] = (0, 0)) -> None:
         spec = spec.model_copy(update={"parent_pid": os.getpid(), "runner_id": uuid.uuid4().hex})
         key = (spec.instance, spec.generation, spec.stage)
         with self._lock:
@@ -204,7 +207,7 @@ class NodeAgent:
                     self._report(spec, fatal)
 
             pump = pump_stream(proc.stdout, spec.stage, runner_log, LineClassifier(spec.stage), on_diagnostic)
-            runner = _Runner(spec, proc, runner_log, pump)
+            runner = _Runner(spec, proc, runner_log, pump, issued)
             self._runners[key] = runner
         self._report(spec, m.RunnerStarted(generation=spec.generation, stage=spec.stage, pid=proc.pid))
         threading.Thread(target=self._wait, args=(runner,), daemon=True, name=f"wait-{proc.pid}").start()
@@ -252,10 +255,10 @@ class NodeAgent:
             self._cancelled |= {k for k in self._pending if k[0] == instance and k[1] != keep}
         stop_runners([r.proc for r in doomed], grace=grace_s)
 
-    def held(self) -> list[tuple[RunnerKey, m.RunnerSpec, int]]:
-        """(instance, generation, stage), spec and pid of every runner process alive here."""
+    def held(self) -> list[tuple[RunnerKey, m.RunnerSpec, int, tuple[int, int]]]:
+        """(instance, generation, stage), spec, pid and issuing (term, view seq) of every runner here."""
         with self._lock:
-            return [(k, r.spec, r.proc.pid) for k, r in self._runners.items()]
+            return [(k, r.spec, r.proc.pid, r.issued) for k, r in self._runners.items()]
 
     def pending(self) -> list[RunnerKey]:
         with self._lock:

@@ -123,7 +123,9 @@ class Runner:
         spec = self.spec
         assert self.worker is not None
         if spec.stages > 1:
-            self.downstream = Outbox(self.session, self.keys.ring(spec.next_stage), spec.generation)
+            self.downstream = Outbox(
+                self.session, self.keys.ring(spec.next_stage), spec.generation, on_lost=self._peer_lost
+            )
             self.downstream.wait_matched(spec.load_timeout)
         if spec.is_leader:
             from shardline.runner.leader import Leader
@@ -144,6 +146,13 @@ class Runner:
             )
         )
         self.phase = "ready"
+
+    def _peer_lost(self) -> None:
+        """The next stage vanished: say so at once (a killed machine is seen in well under its lease)."""
+        try:
+            self.status.send(m.PeerLost(stage=self.spec.stage, peer=self.spec.next_stage))
+        except Exception:
+            pass
 
     def _heartbeat(self) -> None:
         while True:

@@ -17,12 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter
 
+import shardline.cluster.messages as cluster_messages
 import shardline.dataplane.messages as messages
 import shardline.supervisor.diagnostics as diagnostics
+from shardline.cluster.placement import ModelFootprint
 
 ADAPTERS: dict[str, TypeAdapter[Any]] = {
     f"{module.__name__.rsplit('.', 1)[-1]}.{name}": value
-    for module in (messages, diagnostics)
+    for module in (messages, cluster_messages, diagnostics)
     for name, value in vars(module).items()
     if isinstance(value, TypeAdapter)
 }
@@ -35,6 +37,8 @@ def union_variants(adapter: TypeAdapter[Any]) -> list[type[BaseModel]]:
     if schema["type"] == "definitions":
         definitions = {d["ref"]: d for d in schema["definitions"]}
         schema = schema["schema"]
+    if schema["type"] == "model":  # a channel of one message
+        return [schema["cls"]]
     assert schema["type"] == "tagged-union", f"not a tagged union: {schema['type']}"
     variants = []
     for choice in schema["choices"].values():
@@ -66,7 +70,36 @@ def _bounds(metadata: tuple[Any, ...]) -> dict[str, Any]:
     return out
 
 
+def _footprint(layers: int, sizes: list[int], small: int, tied: bool) -> ModelFootprint:
+    return ModelFootprint(
+        name="m",
+        layers=layers,
+        layer_bytes=(sizes * layers)[:layers],
+        embed_bytes=small,
+        head_bytes=small,
+        tied=tied,
+        kv_bytes_per_token_per_layer=small + 1,
+        context_length=small + 1,
+        hidden_size=small + 1,
+        vocab_size=small + 1,
+    )
+
+
+# Models whose validators tie fields together: drawn consistently rather than field by field.
+CONSISTENT: dict[Any, st.SearchStrategy[Any]] = {
+    ModelFootprint: st.builds(
+        _footprint,
+        st.integers(1, 8),
+        st.lists(st.integers(0, 2**40), min_size=1, max_size=8),
+        st.integers(0, 2**30),
+        st.booleans(),
+    )
+}
+
+
 def strategy_for(tp: Any, metadata: tuple[Any, ...] = ()) -> st.SearchStrategy[Any]:
+    if tp in CONSISTENT:
+        return CONSISTENT[tp]
     origin, args = get_origin(tp), get_args(tp)
     if tp is type(None):
         return st.none()
@@ -75,9 +108,11 @@ def strategy_for(tp: Any, metadata: tuple[Any, ...] = ()) -> st.SearchStrategy[A
     if origin is Literal:
         return st.sampled_from(args)
     if origin in (Union, types.UnionType):
-        return st.one_of(*(strategy_for(a) for a in args))
+        return st.one_of(*(strategy_for(a, metadata) for a in args))  # bounds apply to the numeric member
     if origin is list:
         return st.lists(strategy_for(args[0]), max_size=3)
+    if origin is dict:
+        return st.dictionaries(strategy_for(args[0]), strategy_for(args[1]), max_size=3)
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return st.lists(strategy_for(args[0]), max_size=3).map(tuple)

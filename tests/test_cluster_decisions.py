@@ -1,0 +1,132 @@
+"""The cluster's pure decisions: election, membership, mastery claims, fencing, node losses, survivor-keeping
+placement. No processes: state in, decision out."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.cluster import messages as cm
+from shardline.cluster import state as cs
+from shardline.cluster.election import elect, newer
+from shardline.cluster.placement import ModelFootprint, NodeCapacity, PlacementRequest, place
+
+RES = cm.Resources(memory_total=8 << 30, memory_available=4 << 30, compute_score=50.0, device="cpu", cpus=2)
+
+
+def report(node: str, term: int = 0, runners: list[cm.RunnerInfo] | None = None) -> cm.NodeReport:
+    return cm.NodeReport(
+        node_id=node,
+        name=node,
+        endpoint="tcp/127.0.0.1:1",
+        started_at=0.0,
+        resources=RES,
+        term=term,
+        runners=runners or [],
+    )
+
+
+@pytest.mark.timeout(10)
+def test_election_is_sticky_lowest_id_and_raises_the_term():
+    assert elect({"b", "c"}, "c", 4) == ("c", 4)  # the sitting master stays while alive
+    assert elect({"b", "c"}, "a", 4) == ("b", 5)  # else the lowest live id, with a new term
+    assert elect(set(), "a", 4) == (None, 4)
+    assert newer(5, "z", 4, "a") and not newer(4, "a", 5, "z")
+    assert newer(4, "a", 4, "b") and not newer(4, "b", 4, "a")  # one term, two claims: the lower id wins
+    assert newer(1, "a", 0, None)
+
+
+@pytest.mark.timeout(10)
+def test_membership_needs_both_token_and_reports_gone():
+    s = cs.ClusterState(me="a", lease_s=2.0)
+    assert [e.kind for e in cs.apply(s, cs.Alive("b"), 0)] == ["join"]
+    cs.apply(s, cs.ReportIn(report("b"), at=10.0), 0)
+    cs.apply(s, cs.Gone("b"), 0)  # the token blinks...
+    assert cs.apply(s, cs.Tick(11.0), 0) == [] and "b" in s.alive  # ...while reports still come: alive
+    cs.apply(s, cs.ReportIn(report("b"), at=11.5), 0)
+    assert cs.apply(s, cs.Tick(13.0), 0) == [] and "b" in s.alive
+    left = cs.apply(s, cs.Tick(13.6), 0)  # no token, last report older than the lease: gone
+    assert [e.kind for e in left] == ["leave"] and "b" not in s.alive and "b" not in s.reports
+    assert cs.apply(s, cs.ReportIn(report("b"), at=14.0), 0) == []  # a late report does not resurrect it
+    assert [e.kind for e in cs.apply(s, cs.Alive("b"), 0)] == ["join"]  # it rejoins with its token
+    cs.apply(s, cs.ReportIn(report("b"), at=15.0), 0)
+    assert list(s.reports) == ["b"]  # one entry: the same id, no ghost
+
+
+@pytest.mark.timeout(10)
+def test_only_the_node_the_rule_names_claims_and_only_once_settled():
+    a, b = cs.ClusterState(me="a"), cs.ClusterState(me="b")
+    for s in (a, b):
+        cs.apply(s, cs.Alive("a"), 0)
+        cs.apply(s, cs.Alive("b"), 0)
+    assert cs.claim(a, settled=False) is None
+    assert cs.claim(a, settled=True) == 1 and cs.claim(b, settled=True) is None
+    view = cm.ClusterView(term=1, master="a")
+    for s in (a, b):
+        cs.apply(s, cs.ViewIn(view), 0)
+    assert a.is_master and cs.claim(b, settled=True) is None
+    # A stale view of a lower term changes nothing.
+    cs.apply(b, cs.ViewIn(cm.ClusterView(term=0, master="z")), 0)
+    assert b.master == "a" and b.term == 1
+    # The master leaves: the next lowest claims with the next term.
+    cs.apply(b, cs.Gone("a"), 0)
+    cs.apply(b, cs.Tick(1e9), 0)
+    assert cs.claim(b, settled=True) == 2
+
+
+@pytest.mark.timeout(10)
+def test_fencing_judges_only_runners_older_than_the_view():
+    rec = cm.InstanceRecord(instance="i", model="m", generation=3, phase="ready")
+    view = cm.ClusterView(term=2, master="a", seq=10, instances=[rec])
+
+    def runner(instance: str, generation: int, issued: tuple[int, int]) -> cm.RunnerInfo:
+        return cm.RunnerInfo(instance=instance, generation=generation, stage=0, start=0, end=1, issued=issued)
+
+    assert cs.stale_runners(view, [runner("i", 3, (2, 5))]) == []
+    assert cs.stale_runners(view, [runner("i", 2, (2, 5))]) == [("i", 3)]  # an older generation stops
+    assert cs.stale_runners(view, [runner("j", 0, (2, 5))]) == [("j", -1)]  # an instance no longer listed
+    assert cs.stale_runners(view, [runner("j", 0, (2, 10))]) == []  # started after this view was made
+    assert cs.stale_runners(view, [runner("i", 4, (2, 3))]) == []  # a newer generation than the view's
+    failed = view.model_copy(update={"instances": [rec.model_copy(update={"phase": "failed"})]})
+    assert cs.stale_runners(failed, [runner("i", 3, (2, 5))]) == [("i", -1)]
+
+
+@pytest.mark.timeout(10)
+def test_node_losses_name_the_instances_and_nodes():
+    s = cs.ClusterState(me="a")
+    for n in ("a", "b"):
+        cs.apply(s, cs.Alive(n), 0)
+    stages = [cm.StageRecord(node_id="a", start=0, end=3), cm.StageRecord(node_id="c", start=3, end=6)]
+    rec = cm.InstanceRecord(instance="i", model="m", generation=1, phase="ready", stages=stages)
+    assert cs.node_losses(s, [rec]) == [("i", 1, "node c left the cluster", {"c"})]
+    assert cs.node_losses(s, [rec.model_copy(update={"phase": "failed"})]) == []
+
+
+@pytest.mark.timeout(10)
+def test_placement_keeps_a_survivors_range_when_nearly_as_fast():
+    fp = ModelFootprint(
+        name="m",
+        layers=30,
+        layer_bytes=[10**7] * 30,
+        embed_bytes=10**7,
+        head_bytes=10**6,
+        tied=False,
+        kv_bytes_per_token_per_layer=1024,
+        context_length=4096,
+        hidden_size=64,
+        vocab_size=512,
+    )
+    request = PlacementRequest(sequences=1, reserve_tokens=256, hop_cost_fraction=0.0, max_stages=2)
+    nodes = [NodeCapacity("n1", 4 << 30, 50.0), NodeCapacity("n3", 4 << 30, 46.0)]  # noisy scores
+    free = place(fp, nodes, request)
+    assert free.stages[0].end != 15  # the noise moves the cut...
+    kept = place(fp, nodes, request, keep={"n1": (0, 15)})
+    assert [(a.node_id, a.start, a.end) for a in kept.stages] == [("n1", 0, 15), ("n3", 15, 30)]  # ...unless
+    assert kept.est_step_time <= free.est_step_time * 1.25
+    # A survivor at the end: the replacement goes into the hole before it, not after it.
+    tail = place(
+        fp,
+        [NodeCapacity("n9", 4 << 30, 50.0), NodeCapacity("n2", 4 << 30, 50.0)],
+        request,
+        keep={"n2": (15, 30)},
+    )
+    assert [(a.node_id, a.start, a.end) for a in tail.stages] == [("n9", 0, 15), ("n2", 15, 30)]

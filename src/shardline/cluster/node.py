@@ -299,7 +299,7 @@ class Node:
     def report(self) -> cm.NodeReport:
         held = 0
         if self.agent is not None:
-            for _, _, pid in self.agent.held():
+            for _, _, pid, _ in self.agent.held():
                 try:
                     held += psutil.Process(pid).memory_info().rss
                 except psutil.Error:

@@ -171,8 +171,14 @@ class Master:
         with self.lock:
             c = self.controllers.get(instance)
         keep = _keep(rec, c) if c is not None and c.reuse else {}
+        avoid = _unreachable(rec, c) if c is not None else set()
         try:
-            placement = place(fp, nodes, rec.request, keep=keep)
+            try:  # a node that stalled or vanished is most likely cut off: not used again while others fit
+                placement = place(fp, [n for n in nodes if n.node_id not in avoid], rec.request, keep=keep)
+            except PlacementError:
+                if not avoid:
+                    raise
+                placement = place(fp, nodes, rec.request, keep=keep)
         except PlacementError as exc:
             raise LayoutError(str(exc)) from exc
         stages = [cm.StageRecord(node_id=a.node_id, start=a.start, end=a.end) for a in placement.stages]
@@ -375,6 +381,18 @@ def _keep(rec: cm.InstanceRecord, c: InstanceController) -> dict[str, tuple[int,
     return {s.node_id: (s.start, s.end) for k, s in enumerate(rec.stages) if k not in blamed}
 
 
+def _unreachable(rec: cm.InstanceRecord, c: InstanceController) -> set[str]:
+    """Nodes of the stages the last failure blamed, when it looks like the machine or its link (a stall, a
+    vanished peer) rather than the process (an exit, a typed failure, which a restart there cures)."""
+    failures = c.state.failures
+    if rec.generation < 0 or not failures or failures[-1].suspects is None:
+        return set()
+    last = failures[-1]
+    if not any(word in last.why for word in ("stalled", "vanished", "left the cluster")):
+        return set()
+    return {s.node_id for k, s in enumerate(rec.stages) if k in last.suspects}
+
+
 def _survivor(rec: cm.InstanceRecord, c: InstanceController, node_id: str, start: int, end: int) -> bool:
     """Whether the previous generation ran these layers on this node, in a stage its failure did not blame."""
     failures = c.state.failures
@@ -405,7 +423,7 @@ def _transitions(old: cm.InstanceRecord, new: cm.InstanceRecord) -> list[cm.Clus
     out = []
     if new.recoveries > old.recoveries:
         # Name the node as well as the stage: that is what a user can act on.
-        where = re.match(r"stage (\d+)", new.why)
+        where = re.search(r"stage (\d+)", new.why)
         k = int(where[1]) if where else -1
         node = old.stages[k].node_id if 0 <= k < len(old.stages) else ""
         message = f"{new.why} (node {node})" if node else new.why

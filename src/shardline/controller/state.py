@@ -139,7 +139,7 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
         state.dropped += 1
         return
     if isinstance(msg, m.GenerationFault):
-        state.fault = state.fault or msg.why
+        state.fault = state.fault or f"lost message: {msg.why}"
         return
     if isinstance(msg, m.PeerLost):
         if state.fault is None and 0 <= msg.peer < len(state.views):
@@ -238,7 +238,7 @@ def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None
         if (problem := _stage_problem(state, cfg, now, stage)) is not None:
             return problem
     if state.fault is not None:
-        return f"lost message: {state.fault}"
+        return state.fault
     if state.phase == "starting":
         # Bring-up is judged from its last sign of progress: copying a large stage is slow, not dead.
         last = max([state.started_at, *(v.progress_at for v in state.views if v.ready is None)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -62,6 +63,9 @@ def session_config(listen: list[str], connect: list[str], link: Link | None = No
 
 
 def open_session(listen: list[str], connect: list[str], link: Link | None = None) -> zenoh.Session:
+    # zenoh closes a link to a vanished peer with a 10 s socket linger, blocking the receive thread that
+    # closes it; with its default two receive threads a pulled cable stalls the whole session that long.
+    os.environ.setdefault("ZENOH_RUNTIME", "(rx: (worker_threads: 8))")
     return zenoh.open(session_config(listen, connect, link))
 
 
@@ -157,9 +161,13 @@ class Outbox:
         if not self._matched.wait(self._lost_grace_s) and self._on_lost is not None:
             self._on_lost()
 
-    def wait_matched(self, timeout: float) -> None:
-        if not self._matched.wait(timeout):
-            raise DeadlineExceeded(f"no receiver on {self.key} within {timeout:.1f}s")
+    def wait_matched(self, timeout: float, abort: Callable[[], None] | None = None) -> None:
+        """Wait for a receiver; `abort` is called every 0.1 s and may raise to give up the wait early."""
+        deadline = time.monotonic() + timeout
+        while not self._matched.wait(min(0.1, max(0.0, deadline - time.monotonic())) if abort else timeout):
+            if time.monotonic() >= deadline or abort is None:
+                raise DeadlineExceeded(f"no receiver on {self.key} within {timeout:.1f}s")
+            abort()
 
     def send(self, message: Any, tensor: Any = None) -> None:
         try:
@@ -208,6 +216,7 @@ class Inbox:
         self._name = name
         self._queue: queue.Queue[Envelope] = queue.Queue()
         self._subs: list[Any] = []
+        self._watchers: dict[str, Callable[[Envelope], None]] = {}
         self._lock = threading.Lock()
         self.dropped = 0
         self.last_drop = ""
@@ -234,9 +243,19 @@ class Inbox:
             except Exception as exc:  # never obeyed, never fatal: a real loss is caught by a deadline
                 self.drop(f"bad frame on {sample.key_expr}: {str(exc)[:200]}")
                 return
-            self._queue.put(Envelope(source, message, tensor, generation, received))
+            env = Envelope(source, message, tensor, generation, received)
+            if (watcher := self._watchers.get(source)) is not None:
+                try:
+                    watcher(env)
+                except Exception:
+                    log.exception("watcher of %s failed", source)
+            self._queue.put(env)
 
         self._subs.append(self._session.declare_subscriber(key, on_sample))
+
+    def watch(self, source: str, callback: Callable[[Envelope], None]) -> None:
+        """Also hand messages from `source` to `callback` as they arrive (for a wait that cannot read)."""
+        self._watchers[source] = callback
 
     def inject(self, source: str, message: Any) -> None:
         """Queue a message as if it had arrived (what a late receiver learns from elsewhere)."""

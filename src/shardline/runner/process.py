@@ -50,6 +50,7 @@ class Runner:
         self.spec = spec
         self.keys = Keys(spec.instance, spec.generation, spec.namespace)
         self.session = open_session(spec.listen, spec.connect)
+        self.rejoin_spec: RunnerSpec | None = None
         self.inbox = self._inbox(spec)
         self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
         self.faults = Faults(spec.fault)
@@ -73,7 +74,17 @@ class Runner:
             inbox.subscribe(self.keys.control, m.CONTROL, "control")
         if spec.runner_id:
             inbox.subscribe(self.keys.runner(spec.runner_id), m.REJOIN, "agent")
+            inbox.watch("agent", self._on_rejoin)
         return inbox
+
+    def _on_rejoin(self, env: Any) -> None:
+        self.rejoin_spec = env.message.spec  # read by waits that cannot look at the inbox (_abort_wait)
+
+    def _abort_wait(self) -> None:
+        """A Rejoin arrived while this stage waits for its next stage: give up the wait, serve the new one."""
+        spec, self.rejoin_spec = self.rejoin_spec, None
+        if spec is not None and spec.generation > self.spec.generation:
+            raise RejoinRequested(spec)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -114,7 +125,7 @@ class Runner:
         self.inbox = self._inbox(spec)
         self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
         old_status.close()
-        self.status.wait_matched(spec.load_timeout)
+        self.status.wait_matched(spec.load_timeout, abort=self._abort_wait)
         self.status.send(m.Loading(stage=spec.stage, pid=os.getpid()))
         self._link([])
 
@@ -126,7 +137,7 @@ class Runner:
             self.downstream = Outbox(
                 self.session, self.keys.ring(spec.next_stage), spec.generation, on_lost=self._peer_lost
             )
-            self.downstream.wait_matched(spec.load_timeout)
+            self.downstream.wait_matched(spec.load_timeout, abort=self._abort_wait)
         if spec.is_leader:
             from shardline.runner.leader import Leader
 

@@ -23,7 +23,7 @@ from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.placement import ModelFootprint, PlacementError, place
 from shardline.controller.controller import InstanceController, Launch, LayoutError
-from shardline.controller.state import ControllerConfig, stage_phase
+from shardline.controller.state import stage_phase
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys
 from shardline.runner.spec import RunnerSpec
@@ -117,18 +117,7 @@ class Master:
     def _start(self, rec: cm.InstanceRecord, adopt: bool) -> None:
         node = self.node
         r = node.config.runners
-        ccfg = ControllerConfig(
-            stages=max(1, len(rec.stages)),
-            load_timeout=r.load_timeout,
-            heartbeat_timeout=r.heartbeat_timeout,
-            step_deadline_floor=r.step_deadline_floor,
-            step_deadline_ceiling=r.step_timeout,
-            deadline_slack=r.deadline_slack,
-            max_restarts=r.max_restarts,
-            restart_window_s=r.restart_window_s,
-            backoff_s=r.backoff_s,
-            backoff_max_s=r.backoff_max_s,
-        )
+        ccfg = r.controller_config(max(1, len(rec.stages)))
         keys = Keys(rec.instance, 0, node.config.namespace)
         c = InstanceController(
             node.session,
@@ -226,15 +215,8 @@ class Master:
             layer_total=fp.layers,
             connect=[endpoint],
             listen=[f"tcp/{host}:0"],
-            prefill_step=r.prefill_step,
-            step_deadline_floor=r.step_deadline_floor,
-            step_deadline_ceiling=r.step_timeout,
-            deadline_slack=r.deadline_slack,
-            watchdog_factor=r.watchdog_factor,
-            load_timeout=r.load_timeout,
             kv_budget_bytes=rec.kv_budget_bytes,
-            max_waiting=r.max_queue + 16,
-            heartbeat_s=r.heartbeat_s,
+            **r.spec_fields(),
         )
         threads = self.node.config.threads or 1
         return m.StartRunner(spec=spec, threads=threads, sources=sources, term=self.term, view_seq=self._seq)

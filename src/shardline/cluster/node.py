@@ -28,6 +28,7 @@ from shardline.cluster.keys import ClusterKeys, node_from_key
 from shardline.cluster.placement import footprint_from_dir
 from shardline.cluster.resources import compute_score, device_kind, node_identity, resources
 from shardline.cluster.weights import WeightServer, fetch_shard, local_models, verify_shard
+from shardline.controller.settings import RunSettings
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode, encode
 from shardline.dataplane.transport import Link, open_session
@@ -37,24 +38,9 @@ from shardline.node.agent import NodeAgent
 log = logging.getLogger("shardline.node")
 
 
-class RunnerSettings(BaseModel):
-    """How the master configures the runners it starts (a slice of EngineConfig)."""
+class RunnerSettings(RunSettings):
+    """How the master configures the runners it starts and judges them."""
 
-    model_config = ConfigDict(frozen=True)
-
-    prefill_step: int = Field(256, ge=1)
-    step_timeout: float = Field(60.0, gt=0)
-    step_deadline_floor: float = Field(2.0, gt=0)
-    deadline_slack: float = Field(10.0, gt=0)
-    watchdog_factor: float = Field(2.0, gt=0)
-    load_timeout: float = Field(180.0, gt=0)
-    heartbeat_s: float = Field(1.0, gt=0)
-    heartbeat_timeout: float = Field(4.0, gt=0)
-    max_restarts: int = Field(3, ge=0)
-    restart_window_s: float = Field(120.0, gt=0)
-    backoff_s: float = Field(0.2, ge=0)
-    backoff_max_s: float = Field(5.0, ge=0)
-    max_queue: int = Field(256, ge=1)
     reuse_survivors: bool = True  # after a failure, stages it did not blame keep their process and weights
 
 

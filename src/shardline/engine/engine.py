@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Literal
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from shardline.cluster.keys import ClusterKeys
 from shardline.compute.shard import check_architecture, split_layers
 from shardline.controller.controller import InstanceController, Launch
+from shardline.controller.settings import RunSettings
 from shardline.controller.state import ControllerConfig, Failure
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, open_session
@@ -34,30 +35,13 @@ from shardline.runner.spec import Fault, RunnerSpec
 __all__ = ["ContextLengthError", "Engine", "EngineConfig", "EngineError", "OverloadError", "RequestError"]
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
+class EngineConfig(RunSettings):
     model_dir: Path
     stages: int = Field(2, ge=1)
-    prefill_step: int = Field(256, ge=1)
     window: int = Field(0, ge=0)
-    # A step may take deadline_slack x its estimate (from its size and the stage's measured speed, seeded by
-    # warm-up), within [step_deadline_floor, step_timeout]. The runner watchdog waits watchdog_factor x that.
-    step_timeout: float = Field(60.0, gt=0)
-    step_deadline_floor: float = Field(2.0, gt=0)
-    deadline_slack: float = Field(10.0, gt=0)
-    watchdog_factor: float = Field(2.0, gt=0)
-    load_timeout: float = Field(180.0, gt=0)
-    heartbeat_s: float = Field(1.0, gt=0)
-    heartbeat_timeout: float = Field(4.0, gt=0)  # a runner silent this long is stalled (SIGSTOP, frozen host)
-    max_restarts: int = Field(3, ge=0)  # within restart_window_s; one more failure marks the instance failed
-    restart_window_s: float = Field(120.0, gt=0)
-    backoff_s: float = Field(0.2, ge=0)  # doubled per consecutive failure, capped at backoff_max_s
-    backoff_max_s: float = Field(5.0, ge=0)
     # KV bytes the leader may reserve for admitted requests (0: half the memory available at start); requests
     # beyond it wait, up to max_queue of them, and one more is refused with OverloadError.
     kv_budget_bytes: int = Field(0, ge=0)
-    max_queue: int = Field(256, ge=1)
     score_budget: int = Field(0, ge=0)
     pin_cpus: bool = False
     host: str = "127.0.0.1"
@@ -69,18 +53,7 @@ class EngineConfig(BaseModel):
     resume: Literal["exact", "fast"] = "exact"
 
     def controller(self) -> ControllerConfig:
-        return ControllerConfig(
-            stages=self.stages,
-            load_timeout=self.load_timeout,
-            heartbeat_timeout=self.heartbeat_timeout,
-            step_deadline_floor=self.step_deadline_floor,
-            step_deadline_ceiling=self.step_timeout,
-            deadline_slack=self.deadline_slack,
-            max_restarts=self.max_restarts,
-            restart_window_s=self.restart_window_s,
-            backoff_s=self.backoff_s,
-            backoff_max_s=self.backoff_max_s,
-        )
+        return self.controller_config(self.stages)
 
 
 def _free_port(host: str) -> int:
@@ -167,19 +140,12 @@ class Engine:
             layer_total=self.layers,
             connect=[self.endpoint],
             listen=[f"tcp/{cfg.host}:0"],
-            prefill_step=cfg.prefill_step,
             window=cfg.window,
-            step_deadline_floor=cfg.step_deadline_floor,
-            step_deadline_ceiling=cfg.step_timeout,
-            deadline_slack=cfg.deadline_slack,
-            watchdog_factor=cfg.watchdog_factor,
-            load_timeout=cfg.load_timeout,
             score_budget=cfg.score_budget,
             kv_budget_bytes=self.kv_budget_bytes,
-            max_waiting=cfg.max_queue + 16,
             cpu=cpus[stage % len(cpus)] if cfg.pin_cpus else None,
-            heartbeat_s=cfg.heartbeat_s,
             fault=inject.get(stage),
+            **cfg.spec_fields(),
         )
         return spec, 1 if cfg.pin_cpus else max(1, len(cpus) // cfg.stages)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_no_runner_left, random_prompt
 
+from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
-from shardline.cluster.messages import Place
 from shardline.cluster.placement import PlacementRequest
 from shardline.testing.cluster import LocalCluster
 from shardline.testing.reference import Reference
@@ -66,6 +66,25 @@ def wait_nodes(client: ClusterClient, ids: set[str], timeout: float = 30) -> Non
     client.wait(lambda v: {n.node_id for n in v.nodes if n.alive} == ids, timeout, f"nodes {sorted(ids)}")
 
 
+def kill_mid_stream(
+    cluster: LocalCluster, client: ClusterClient, instance: str, reference: Reference, victim: str, seed: int
+) -> cm.InstanceRecord:
+    """A long greedy request; SIGKILL `victim` after 5 tokens; the answer is exact and one recovery is made.
+    Returns the instance as it serves again."""
+    prompt = random_prompt(20, seed=seed)
+    expected = reference.greedy(prompt, 400)[0]
+    stream = client.front(instance).submit(prompt, max_tokens=400).stream(timeout=90)
+    got = [next(stream).token for _ in range(5)]
+    cluster.nodes[victim].kill(signal.SIGKILL)
+    got += [t.token for t in stream]
+    assert got == expected
+    recovered = lambda v: (r := client.instance(instance)) is not None and r.recoveries > 0  # noqa: E731
+    client.wait(recovered, 30, "the recovery")
+    after = client.wait_ready(instance, 30)
+    assert after.recoveries == 1 and victim not in {s.node_id for s in after.stages}
+    return after
+
+
 @pytest.mark.timeout(180)
 def test_three_nodes_find_each_other_and_generate_like_one_process(make_cluster, reference):
     cluster = make_cluster(["n1", "n2", "n3"])
@@ -101,19 +120,8 @@ def test_sigkill_of_a_stage_node_mid_generation_replaces_and_completes_exactly(m
     assert rec is not None
     victim = rec.stages[1].node_id
     assert victim != "k1"  # the master and this client's node survive
-    prompt = random_prompt(20, seed=12)
-    expected = reference.greedy(prompt, 400)[0]
-    handle = client.front(instance).submit(prompt, max_tokens=400)
-    stream = handle.stream(timeout=90)
-    got = [next(stream).token for _ in range(5)]
-    cluster.nodes[victim].kill(signal.SIGKILL)
-    got += [t.token for t in stream]
-    assert got == expected
-    recovered = lambda v: (r := client.instance(instance)) is not None and r.recoveries > 0  # noqa: E731
-    client.wait(recovered, 30, "the recovery")
-    after = client.wait_ready(instance, 30)
-    assert after.recoveries == 1 and after.generation > rec.generation
-    assert victim not in {s.node_id for s in after.stages}
+    after = kill_mid_stream(cluster, client, instance, reference, victim, seed=12)
+    assert after.generation > rec.generation
     view = client.view
     assert view is not None and victim not in cluster.alive_ids(view)
     assert any(e.kind == "leave" and e.node == victim for e in view.events)
@@ -247,7 +255,7 @@ def test_node_with_a_wrong_cluster_key_is_never_listed(make_cluster, tmp_path):
     bad = ClusterClient([cluster.nodes["s1"].endpoint], secret_file=_key(tmp_path / "k2", "wrong-secret"))
     cluster.clients.append(bad)
     with pytest.raises(ClusterError, match=r"no master|not seen"):
-        bad.ask(Place(model="tiny-llama"), 3)
+        bad.ask(cm.Place(model="tiny-llama"), 3)
 
 
 def _key(path: Path, secret: str) -> Path:
@@ -267,19 +275,8 @@ def test_survivors_keep_their_process_and_weights_after_a_node_loss(make_cluster
     keeper, victim = rec.stages[0].node_id, rec.stages[1].node_id
     survivor = cluster.nodes[keeper].runner_pids()
     assert len(survivor) == 1
-    prompt = random_prompt(16, seed=17)
-    expected = reference.greedy(prompt, 400)[0]
-    handle = client.front(instance).submit(prompt, max_tokens=400)
-    stream = handle.stream(timeout=90)
-    got = [next(stream).token for _ in range(5)]
-    cluster.nodes[victim].kill(signal.SIGKILL)
-    got += [t.token for t in stream]
-    assert got == expected
-    recovered = lambda v: (r := client.instance(instance)) is not None and r.recoveries > 0  # noqa: E731
-    client.wait(recovered, 30, "the recovery")
-    after = client.wait_ready(instance, 30)
-    assert after.stages[0].node_id == keeper and victim not in {s.node_id for s in after.stages}
-    assert after.recoveries == 1
+    after = kill_mid_stream(cluster, client, instance, reference, victim, seed=17)
+    assert after.stages[0].node_id == keeper
     events = [e.message for e in client.view.events if e.kind == "failure"] if client.view else []
     assert (after.stages[0].start, after.stages[0].end) == (rec.stages[0].start, rec.stages[0].end), events
     assert cluster.nodes[keeper].runner_pids() == survivor  # same process, weights kept, new generation

@@ -186,7 +186,7 @@ class Master:
 
     def _worker(self, node_id: str) -> bool:
         r = self.node.state.reports.get(node_id)
-        return r is not None and r.resources.memory_total > 1  # a --no-worker node reports no memory
+        return r is not None and r.worker
 
     def _start_runner(
         self,

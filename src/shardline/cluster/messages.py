@@ -53,6 +53,7 @@ class NodeReport(Wire):
     name: str
     endpoint: str  # where peers (and runners) connect to this node's session
     started_at: float  # wall clock
+    worker: bool = True  # False: never holds a stage (--no-worker)
     resources: Resources
     models: dict[str, LocalModel] = {}
     runners: list[RunnerInfo] = []

@@ -297,9 +297,8 @@ class Node:
             name=self.name,
             endpoint=self.endpoint,
             started_at=self.started_at,
-            resources=resources(self.score, self.device, self.config.memory_limit, held)
-            if self.config.worker
-            else resources(self.score, self.device, 1, 1),
+            worker=self.config.worker,
+            resources=resources(self.score, self.device, self.config.memory_limit, held),
             models=self.models() if self.config.worker else {},
             runners=self.runner_infos(),
             term=term,

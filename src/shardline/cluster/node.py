@@ -141,14 +141,14 @@ class Node:
         return self
 
     def close(self) -> None:
-        """Leave: stop being master (runners keep running only if the node lives), stop every runner."""
+        """Leave: hand mastery on (the instances it ran live on elsewhere), stop this node's own runners."""
         if self._closed.is_set():
             return
         self._closed.set()
         for t in self._threads:
             t.join(timeout=5)
         if self.master is not None:
-            self.master.close()
+            self.master.close(stop_runners=False)  # instances live on: the next master adopts them
         if self.agent is not None:
             self.agent.close()
         self.weights.close()

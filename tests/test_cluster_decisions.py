@@ -86,6 +86,8 @@ def test_fencing_judges_only_runners_older_than_the_view():
     assert cs.stale_runners(view, [runner("j", 0, (2, 5))]) == [("j", -1)]  # an instance no longer listed
     assert cs.stale_runners(view, [runner("j", 0, (2, 10))]) == []  # started after this view was made
     assert cs.stale_runners(view, [runner("i", 4, (2, 3))]) == []  # a newer generation than the view's
+    starting = view.model_copy(update={"instances": [rec.model_copy(update={"phase": "loading"})]})
+    assert cs.stale_runners(starting, [runner("i", 2, (2, 5))]) == []  # may be handed to generation 3
     failed = view.model_copy(update={"instances": [rec.model_copy(update={"phase": "failed"})]})
     assert cs.stale_runners(failed, [runner("i", 3, (2, 5))]) == [("i", -1)]
 

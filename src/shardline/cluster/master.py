@@ -23,7 +23,7 @@ from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.placement import ModelFootprint, PlacementError, place
 from shardline.controller.controller import InstanceController, Launch, LayoutError
-from shardline.controller.state import stage_phase
+from shardline.controller.state import Failure, stage_phase
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys
 from shardline.runner.spec import RunnerSpec
@@ -110,11 +110,17 @@ class Master:
                 rec.generation,
                 "serving" if complete and rec.phase == "ready" else "rebuilding",
             )
-            self._start(rec, adopt=bool(complete and rec.phase == "ready"))
+            # Stages still reported alive survive the rebuild (same layers: same process, new generation).
+            lost = [
+                k
+                for k, s in enumerate(rec.stages)
+                if (rec.instance, rec.generation, k, s.node_id) not in held
+            ]
+            self._start(rec, adopt=bool(complete and rec.phase == "ready"), lost=lost)
 
     # ---- instances -----------------------------------------------------------------------------------------
 
-    def _start(self, rec: cm.InstanceRecord, adopt: bool) -> None:
+    def _start(self, rec: cm.InstanceRecord, adopt: bool, lost: list[int] | None = None) -> None:
         node = self.node
         r = node.config.runners
         ccfg = r.controller_config(max(1, len(rec.stages)))
@@ -138,6 +144,9 @@ class Master:
             c.adopt(rec.generation, len(rec.stages), agents, rec.kv_bytes_per_token)
         else:
             c.state.generation = rec.generation  # the next generation is newer than any that ran
+            if lost and rec.generation >= 0:  # the failure the old master did not live to handle
+                why = f"stages {lost} lost with the master"
+                c.state.failures.append(Failure(why, rec.generation, time.monotonic(), time.time(), [], lost))
             c.start()
 
     def _hidden(self, rec: cm.InstanceRecord) -> int:

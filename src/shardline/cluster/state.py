@@ -155,12 +155,15 @@ def stale_runners(view: cm.ClusterView, held: list[cm.RunnerInfo]) -> list[tuple
     A view judges only runners started before it was made: views and commands travel on different keys, so
     a view may arrive after a newer command (its instance or generation not in it yet)."""
     current = {r.instance: r.generation for r in view.instances if r.phase != "failed"}
+    settled = {r.instance for r in view.instances if r.phase == "ready"}
     made = (view.term, view.seq)
     doomed, spared = set(), set()
     for r in held:
         keep = current.get(r.instance, -1)
         if r.issued >= made or r.generation > keep >= 0:
             spared.add(r.instance)  # newer than the view: it cannot judge this instance yet
+        elif keep >= 0 and r.instance not in settled:
+            spared.add(r.instance)  # a new generation is starting: this runner may be handed over to it
         elif r.generation != keep:
             doomed.add((r.instance, keep))
     return sorted(d for d in doomed if d[0] not in spared)

@@ -184,12 +184,11 @@ class Master:
             self.records[instance] = rec.model_copy(
                 update={"stages": stages, "generation": generation, "phase": "placed"}
             )
-            c = self.controllers.get(instance)
         launches = []
         for k, a in enumerate(placement.stages):
             start = self._start_runner(rec, fp, generation, k, a, len(stages), endpoints, sources)
-            if c is not None and c.reuse:
-                start = start.model_copy(update={"reuse": _survivor(rec, c, a.node_id, a.start, a.end)})
+            # A survivor keeps its process where its layers stay (keep is empty unless reuse is on).
+            start = start.model_copy(update={"reuse": keep.get(a.node_id) == (a.start, a.end)})
             launches.append((node.keys.agent(a.node_id), start))
         return launches
 
@@ -382,18 +381,6 @@ def _unreachable(rec: cm.InstanceRecord, c: InstanceController) -> set[str]:
     if not any(word in last.why for word in ("stalled", "vanished", "left the cluster")):
         return set()
     return {s.node_id for k, s in enumerate(rec.stages) if k in last.suspects}
-
-
-def _survivor(rec: cm.InstanceRecord, c: InstanceController, node_id: str, start: int, end: int) -> bool:
-    """Whether the previous generation ran these layers on this node, in a stage its failure did not blame."""
-    failures = c.state.failures
-    blamed = failures[-1].suspects if failures else None
-    if rec.generation < 0 or blamed is None:
-        return False
-    return any(
-        (s.node_id, s.start, s.end) == (node_id, start, end) and k not in blamed
-        for k, s in enumerate(rec.stages)
-    )
 
 
 def _phase(controller_phase: str, stage_phases: list[str]) -> cm.InstancePhase:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -78,14 +79,29 @@ def cmd_node(args: argparse.Namespace) -> int:
         compute_score=args.compute_score,
         lease_ms=args.lease_ms,
         runners=runners,
+        api=None if args.no_api else api_settings(args),
     )
     node = Node(config).start()
-    print(f"shardline node {node.node_id} ({node.name}) listening on {node.endpoint}", flush=True)
+    api = f", HTTP API on {node.api.url}" if node.api is not None else ""
+    print(f"shardline node {node.node_id} ({node.name}) listening on {node.endpoint}{api}", flush=True)
     try:
         _wait_for_signal()
     finally:
         node.close()
     return 0
+
+
+def api_settings(args: argparse.Namespace) -> Any:
+    from shardline.api.service import ApiSettings
+
+    return ApiSettings(
+        host=args.api_host,
+        port=args.api_port,
+        api_key=args.api_key or os.environ.get("SHARDLINE_API_KEY") or None,
+        cors_origins=args.cors_origin or [],
+        auto_place=not args.no_auto_place,
+        max_pending=args.max_pending,
+    )
 
 
 def cmd_place(args: argparse.Namespace) -> int:
@@ -108,15 +124,22 @@ def cmd_place(args: argparse.Namespace) -> int:
 
 
 def start_nodes(
-    count: int, base_dir: Path, port: int, extra: list[str] | None = None, quiet: bool = True
+    count: int,
+    base_dir: Path,
+    port: int,
+    extra: list[str] | None = None,
+    quiet: bool = True,
+    api_port: int | None = None,
 ) -> tuple[list[subprocess.Popen], str]:
-    """`count` node daemons on loopback; the first listens on `port`, the others name it as a peer."""
+    """`count` node daemons on loopback; the first listens on `port`, the others name it as a peer. Node i
+    serves HTTP on api_port + i (none when api_port is None)."""
     first = f"tcp/127.0.0.1:{port}"
     procs = []
     for i in range(count):
         listen = first if i == 0 else "tcp/127.0.0.1:0"
         argv = [sys.executable, "-m", "shardline", "node", "--listen", listen, "--name", f"node-{i}"]
         argv += ["--data-dir", str(base_dir / f"node-{i}"), "--threads", "1", *(extra or [])]
+        argv += ["--no-api"] if api_port is None else ["--api-port", str(api_port + i)]
         if i:
             argv += ["--peer", first]
         out = subprocess.DEVNULL if quiet else None
@@ -154,7 +177,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)  # import the model once, before any node reports it
     base = Path(args.data_dir or Path(user_data_dir("shardline")) / "up")
     extra = ["--models-dir", str(model_dir.parent)]
-    procs, endpoint = start_nodes(args.nodes, base, args.port, extra, quiet=not args.verbose)
+    procs, endpoint = start_nodes(args.nodes, base, args.port, extra, not args.verbose, args.api_port)
     try:
         with ClusterClient([endpoint]) as client:
             try:
@@ -165,9 +188,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             except Exception as exc:
                 raise CliError(str(exc)) from exc
             stages = ", ".join(f"{s.node_id}[{s.start},{s.end})" for s in rec.stages)
+            api = f"http://127.0.0.1:{args.api_port}"
             print(
-                f"shardline: {model_dir.name} ready on {args.nodes} nodes ({stages}); send prompts with: "
-                f'shardline generate --cluster {endpoint} "..."',
+                f"shardline: {model_dir.name} ready on {args.nodes} nodes ({stages}); OpenAI, Anthropic and "
+                f"Ollama APIs on {api} (node i on port {args.api_port} + i). Try:\n{curl_line(api, rec.model)}",
                 flush=True,
             )
             if args.ask:
@@ -177,6 +201,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         stop_nodes(procs)
     return 0
+
+
+def curl_line(api: str, model: str, prompt: str = "What is the capital of France?") -> str:
+    body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": prompt}]})
+    return f"curl -N {api}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 def _ask(client: Any, instance: str, model_dir: Path, prompt: str) -> None:
@@ -245,15 +274,24 @@ def add_commands(sub: Any) -> None:
     node.add_argument(
         "--compute-score", type=float, default=None, help="GFLOP/s to place by (default: measured at start)"
     )
+    node.add_argument("--api-port", type=int, default=8000, help="HTTP API port (0: any free port)")
+    node.add_argument("--api-host", default="127.0.0.1", help="HTTP API address (0.0.0.0: every interface)")
     node.add_argument(
-        "--api-port", type=int, default=8000, help="HTTP API port (served from the next release)"
+        "--api-key", default=None, help="require this key on the HTTP API (default: $SHARDLINE_API_KEY)"
     )
+    node.add_argument(
+        "--cors-origin", action="append", help="allow browsers from this origin (repeatable; *: any)"
+    )
+    node.add_argument("--no-auto-place", action="store_true", help="never place a model a request names")
+    node.add_argument("--max-pending", type=int, default=64, help="HTTP requests in flight before 429")
+    node.add_argument("--no-api", action="store_true", help="serve no HTTP API")
     node.set_defaults(func=cmd_node)
 
     up = sub.add_parser("up", help="a local cluster of N node daemons serving a model")
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--model", default=None)
     up.add_argument("--port", type=int, default=DEFAULT_PORT)
+    up.add_argument("--api-port", type=int, default=8000, help="node i serves HTTP on this port + i")
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--timeout", type=float, default=600.0)
     up.add_argument("--ask", default=None, help="once ready, stream the answer to this prompt")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import zenoh
@@ -46,6 +47,7 @@ class ClusterClient:
         self.view_arrivals: dict[int, float] = {}  # term -> when its first view arrived (monotonic)
         self._cond = threading.Condition()
         self._fronts: dict[str, Front] = {}
+        self._listeners: list[Callable[[cm.ClusterView], None]] = []
         self._closed = False
         self._sub = self.session.declare_subscriber(self.keys.view, self._on_view)
 
@@ -65,13 +67,25 @@ class ClusterClient:
             self.view = view
             self.view_arrivals.setdefault(view.term, time.monotonic())
             fronts = dict(self._fronts)
+            listeners = list(self._listeners)
             self._cond.notify_all()
+        for listener in listeners:
+            listener(view)
         for rec in view.instances:
             front = fronts.get(rec.instance)
             if front is not None:
                 _catch_up(front, rec)
 
     # ---- the view ------------------------------------------------------------------------------------------
+
+    def listen(self, listener: Callable[[cm.ClusterView], None]) -> None:
+        """Call `listener` with each newer view, from zenoh's thread: it must return at once."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    def fronts(self) -> dict[str, Front]:
+        with self._cond:
+            return dict(self._fronts)
 
     def wait(self, predicate, timeout: float, what: str) -> cm.ClusterView:  # type: ignore[no-untyped-def]
         """Wait for a view that satisfies predicate(view); ClusterError naming `what` past the timeout."""

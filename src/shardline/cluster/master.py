@@ -348,6 +348,7 @@ class Master:
                     alive=n in st.alive,
                     resources=r.resources,
                     models=sorted(r.models),
+                    api=r.api,
                 )
                 for n, r in sorted(st.reports.items())
             ]

@@ -54,6 +54,7 @@ class NodeReport(Wire):
     endpoint: str  # where peers (and runners) connect to this node's session
     started_at: float  # wall clock
     worker: bool = True  # False: never holds a stage (--no-worker)
+    api: str = ""  # the node's HTTP API (http://host:port), "" without one
     resources: Resources
     models: dict[str, LocalModel] = {}
     runners: list[RunnerInfo] = []
@@ -97,6 +98,7 @@ class NodeSummary(Wire):
     alive: bool
     resources: Resources | None = None
     models: list[str] = []
+    api: str = ""
 
 
 class ClusterEvent(Wire):

@@ -22,6 +22,7 @@ import zenoh
 from platformdirs import user_data_dir
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardline.api.service import ApiSettings
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys, node_from_key
@@ -63,6 +64,7 @@ class NodeConfig(BaseModel):
     lease_ms: int = Field(2000, ge=200)
     settle_s: float = Field(1.5, ge=0)  # listen this long for a sitting master before claiming
     runners: RunnerSettings = RunnerSettings()
+    api: ApiSettings | None = None  # the HTTP API this node serves; None: none
 
     def resolved_data_dir(self) -> Path:
         return self.data_dir or Path(user_data_dir("shardline")) / "node"
@@ -107,6 +109,7 @@ class Node:
         self._models_at = 0.0
         self._fetching: dict[tuple[str, int], tuple[int, int]] = {}
         self.master: Any = None  # cluster.master.Master while this node is master
+        self.api: Any = None  # api.server.ApiServer when the node serves HTTP
         self.session: zenoh.Session | None = None
         self._threads: list[threading.Thread] = []
 
@@ -114,6 +117,12 @@ class Node:
 
     def start(self) -> Node:
         self.session = s = open_session([self.endpoint], list(self.config.peers), self.link)
+        if self.config.api is not None:  # first: a port in use fails the start before anything runs
+            try:
+                self.api = self._start_api(s, self.config.api)
+            except OSError:
+                s.close()
+                raise
         self.agent = (
             NodeAgent(
                 s, self.keys.agent(self.node_id), self.log_dir, fetch=self._fetch, obey=self._obey
@@ -140,11 +149,29 @@ class Node:
         )
         return self
 
+    def _start_api(self, session: zenoh.Session, settings: ApiSettings) -> Any:
+        from shardline.api.server import ApiServer
+        from shardline.api.service import Service
+        from shardline.cluster.client import ClusterClient
+
+        client = ClusterClient([], self.config.namespace, session=session)
+        service = Service(client, self.models_root, settings, self.node_id)
+        try:
+            return ApiServer(service).start()
+        except OSError:
+            service.close()
+            client.close()
+            raise
+
     def close(self) -> None:
         """Leave: hand mastery on (the instances it ran live on elsewhere), stop this node's own runners."""
         if self._closed.is_set():
             return
         self._closed.set()
+        if self.api is not None:
+            self.api.close()  # requests streaming through this node end here: their clients see it
+            self.api.service.close()
+            self.api.service.client.close()
         for t in self._threads:
             t.join(timeout=5)
         if self.master is not None:
@@ -298,6 +325,7 @@ class Node:
             endpoint=self.endpoint,
             started_at=self.started_at,
             worker=self.config.worker,
+            api=self.api.url if self.api is not None else "",
             resources=resources(self.score, self.device, self.config.memory_limit, held),
             models=self.models() if self.config.worker else {},
             runners=self.runner_infos(),

@@ -17,12 +17,20 @@ class SamplingParams(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     repetition_context: int = Field(20, ge=0)
+    # OpenAI's penalties: over the tokens generated so far, `presence` once per distinct token and
+    # `frequency` once per occurrence are subtracted from its logit.
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int = 0
     top_logprobs: int = Field(0, ge=0, le=20)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalises_output(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class Sampled(BaseModel):
@@ -46,9 +54,29 @@ def apply_repetition_penalty(logits: mx.array, context: list[int], penalty: floa
     return mx.where(hit, penalised, logits)
 
 
-def sample(logits: mx.array, params: SamplingParams, position: int, context: list[int]) -> Sampled:
-    """logits: (vocab,) float32 of the position before `position`. Returns the token placed at `position`."""
+def apply_output_penalties(
+    logits: mx.array, output: list[int], presence: float, frequency: float
+) -> mx.array:
+    if not output or (presence == 0.0 and frequency == 0.0):
+        return logits
+    counts = mx.zeros(logits.shape, dtype=mx.float32)
+    counts = counts.at[mx.array(output)].add(1.0)
+    return logits - counts * frequency - (counts > 0).astype(mx.float32) * presence
+
+
+def sample(
+    logits: mx.array,
+    params: SamplingParams,
+    position: int,
+    context: list[int],
+    output: list[int] | None = None,
+) -> Sampled:
+    """logits: (vocab,) float32 of the position before `position`. Returns the token placed at `position`.
+
+    `context`: the recent tokens the repetition penalty looks at; `output`: the tokens generated so far
+    (for the presence and frequency penalties)."""
     logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
+    logits = apply_output_penalties(logits, output or [], params.presence_penalty, params.frequency_penalty)
     logprobs = logits - mx.logsumexp(logits)
     if params.greedy:
         token = int(mx.argmax(logits).item())

@@ -54,6 +54,7 @@ class Step(Wire):
     sample: bool = False
     sampling: SamplingParams | None = None
     context: list[int] = []
+    output: list[int] = []  # tokens generated so far, when presence or frequency penalties need them
     want_logits: bool = False
     reserve: int = 0  # on a request's first step: positions to allocate the KV cache for at once
     trace: list[float] = []  # compute seconds of each stage so far: the leader learns every stage's speed

@@ -73,6 +73,7 @@ class Front:
         self.serving = threading.Event()
         self._faulted: set[int] = set()
         self._newest = -1  # the newest generation announced
+        self.leader_held = 0  # requests the serving leader holds (admitted or waiting), from its last beat
         self._inbox = Inbox(session, name=self.name)
         self._inbox.subscribe(self.keys.events_any, m.EVENTS, "events")
         self._inbox.subscribe(self.keys.updates, m.INSTANCE, "updates")
@@ -286,6 +287,7 @@ class Front:
         elif isinstance(msg, m.Recovering):
             with self._lock:
                 self.generation = None
+                self.leader_held = 0
                 old, self._control = self._control, None
                 for h in self.requests.values():
                     h.state.admitted = False  # waits again until the next generation admits it
@@ -341,6 +343,7 @@ class Front:
     def _check_beat(self, beat: m.LeaderBeat) -> str | None:
         seen = beat.seen.get(self.name, -1)
         held = set(beat.requests)
+        self.leader_held = len(held)
         for h in self.requests.values():
             s = h.state
             sent = s.sent_generation == self.generation and s.sent_seq is not None and s.sent_seq <= seen

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,6 +83,8 @@ class RequestHandle:
         self.state = state
         self._queue: queue.Queue[Token | object] = queue.Queue()  # at most max_tokens + 1 items
         self._done = threading.Event()
+        self._ended = False  # the end marker was taken by drain()
+        self._watchers: list[Callable[[], None]] = []
 
     @property
     def request_id(self) -> str:
@@ -96,10 +98,24 @@ class RequestHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (from the front's thread; it must not block) whenever a token or the end arrives."""
+        self._watchers.append(wake)
+        if not self._queue.empty():
+            wake()
+
+    def _wake(self) -> None:
+        for wake in self._watchers:
+            try:
+                wake()
+            except Exception:  # a watcher whose loop has closed: its client is gone
+                pass
+
     # Called by the front, under its lock: never blocks.
     def _token(self, event: m.TokenEvent, tensor: mx.array | None) -> None:
         self.state.generated.append(event.token)
         self._queue.put(Token(event.index, event.token, event.logprob, event.top_logprobs, tensor))
+        self._wake()
 
     def _finish(self, reason: str | None = None, error: str | None = None) -> bool:
         if self._done.is_set():
@@ -108,7 +124,25 @@ class RequestHandle:
         self.state.error = error
         self._done.set()
         self._queue.put(_END)
+        self._wake()
         return True
+
+    def drain(self) -> tuple[list[Token], bool]:
+        """Without blocking: the tokens that arrived since the last call, and whether the request has ended.
+        Raises RequestError, after every token before it was taken, if the request ended with an error."""
+        out: list[Token] = []
+        while not self._ended:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Token):
+                out.append(item)
+            else:
+                self._ended = True
+        if self._ended and not out and self.state.error is not None:
+            raise RequestError(self.state.error)
+        return out, self._ended and not (out and self.state.error is not None)
 
     def stream(self, timeout: float | None = None) -> Iterator[Token]:
         """Tokens as they come; raises TimeoutError if the whole answer takes longer than `timeout`."""

@@ -223,6 +223,8 @@ class Leader:
         self.seq += 1
         sp = req.spec.sampling
         context = req.known[-sp.repetition_context :] if sp.repetition_penalty != 1.0 else []
+        # Generated tokens start where the original prompt ended (a fast resume folded some into `prompt`).
+        output = req.known[req.prompt_len - req.spec.index_base :] if sp.penalises_output else []
         msg = m.Step(
             seq=self.seq,
             request_id=step.request_id,
@@ -231,6 +233,7 @@ class Leader:
             sample=step.sample,
             sampling=sp if step.sample else None,
             context=context if step.sample else [],
+            output=output if step.sample else [],
             want_logits=req.spec.want_logits and step.sample,
             reserve=len(req.known) + 1 if step.pos == 0 else 0,
         )

@@ -74,7 +74,7 @@ class StageWorker:
         if not step.sample:
             return StepResult(seq=step.seq, request_id=step.request_id), None
         assert step.sampling is not None
-        s = sample(y, step.sampling, step.pos + step.n, step.context)
+        s = sample(y, step.sampling, step.pos + step.n, step.context, step.output)
         logits = y if step.want_logits else None
         return (
             StepResult(

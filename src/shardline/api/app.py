@@ -1,0 +1,145 @@
+"""The HTTP application of a node: every API's routes, one error convention per API, key, CORS, metrics."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import shardline
+from shardline.api import anthropic_api, cluster_api, ollama_api, openai_api
+from shardline.api.errors import ApiError, body, flavor_of, headers
+from shardline.api.service import Service
+from shardline.api.streaming import ClientGone
+
+log = logging.getLogger("shardline.api")
+
+MAX_BODY_BYTES = 32 << 20
+OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe carries none
+
+
+def _error(request: Request, error: ApiError) -> JSONResponse:
+    return JSONResponse(body(error, flavor_of(request.url.path)), error.status, headers=headers(error))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    where = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return (
+        f"{where}: {first.get('msg', 'invalid')}{more}" if where else f"{first.get('msg')}{more}"
+    ), where or None
+
+
+def build_app(service: Service) -> FastAPI:
+    settings = service.settings
+    app = FastAPI(
+        title="shardline",
+        version=shardline.__version__,
+        description="OpenAI-, Anthropic- and Ollama-compatible serving of a model split across a cluster.",
+    )
+    for module in (openai_api, anthropic_api, ollama_api, cluster_api):
+        app.include_router(module.router(service))
+
+    @app.get(
+        "/metrics",
+        tags=["Cluster"],
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}}},
+    )
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        service.metrics.requests.labels(request.url.path, "invalid").inc()
+        return _error(request, ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(request, ApiError(exc.status_code, str(exc.detail), kind))
+
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left, its request was cancelled
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return _error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return _error(request, ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes"))
+        key = settings.api_key
+        if key and request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:  # noqa: SIM102
+            if not _authorised(request, key):
+                denied = ApiError(
+                    401, "a valid API key is required", "authentication_error", code="invalid_api_key"
+                )
+                return _error(request, denied)
+        return await call_next(request)
+
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials="*" not in settings.cors_origins,
+        )
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _authorised(request: Request, key: str) -> bool:
+    given = request.headers.get("x-api-key") or ""
+    auth = request.headers.get("authorization") or ""
+    if auth[:7].lower() == "bearer ":
+        given = auth[7:].strip()
+    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's spec, told the truth: invalid input is a 400 in the route's own error shape, never a 422."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    for path in spec.get("paths", {}).values():
+        for op in path.values():
+            responses = op.get("responses", {})
+            invalid = responses.pop("422", None)
+            if invalid is not None and "400" not in responses:
+                responses["400"] = invalid
+    schemas = spec.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    spec.setdefault("components", {})["securitySchemes"] = {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+    }
+    spec["security"] = [{}, {"bearer": []}, {"apiKey": []}]  # only when the node is started with a key
+    app.openapi_schema = spec
+    return spec

@@ -1,0 +1,201 @@
+"""Cluster routes: /health, /state, placing and removing instances, and /events (a live SSE feed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from shardline.api.errors import ApiError, error_responses
+from shardline.api.service import Service
+from shardline.api.streaming import sse
+from shardline.cluster import messages as cm
+from shardline.cluster.client import ClusterError
+from shardline.cluster.placement import Placement, PlacementRequest
+
+STATE_PERIOD_S = 1.0  # at most one state snapshot per second on /events
+KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an idle feed
+
+
+class Health(BaseModel):
+    ok: bool
+    node: str
+    master: str | None
+    term: int
+
+
+class Live(BaseModel):
+    running: int  # this node's requests the instance is running
+    queued: int  # this node's requests waiting for it
+    leader_requests: int  # what the leader holds, from every node
+
+
+class InstanceState(cm.InstanceRecord):
+    live: Live | None = None
+
+
+class NodeState(cm.NodeSummary):
+    master: bool = False
+
+
+class State(BaseModel):
+    node: str  # the node answering
+    term: int
+    master: str | None
+    seq: int
+    nodes: list[NodeState]
+    instances: list[InstanceState]
+    events: list[cm.ClusterEvent]
+    at: float
+
+
+class PlaceBody(BaseModel):
+    model: str = Field(min_length=1, max_length=256)
+    sequences: int = Field(4, ge=1, le=4096)
+    reserve_tokens: int | None = Field(None, ge=1, le=1 << 24)
+    max_stages: int | None = Field(None, ge=1, le=1024)
+
+
+class Preview(BaseModel):
+    model: str
+    fits: bool
+    placement: Placement | None = None
+    reason: str = ""
+
+
+class Removed(BaseModel):
+    removed: str
+
+
+def state_of(service: Service) -> State:
+    view = service.view()
+    fronts = service.client.fronts()
+    instances = []
+    for rec in view.instances if view else []:
+        f = fronts.get(rec.instance)
+        live = Live(running=f.running(), queued=f.waiting(), leader_requests=f.leader_held) if f else None
+        instances.append(InstanceState(**rec.model_dump(), live=live))
+    nodes = [NodeState(**n.model_dump(), master=view.master == n.node_id) for n in view.nodes] if view else []
+    return State(
+        node=service.node_id,
+        term=view.term if view else 0,
+        master=view.master if view else None,
+        seq=view.seq if view else 0,
+        nodes=nodes,
+        instances=instances,
+        events=list(service.recent_events)[-100:],
+        at=time.time(),
+    )
+
+
+def router(service: Service) -> APIRouter:
+    r = APIRouter(tags=["Cluster"])
+    auth = error_responses("openai", 401)
+
+    @r.get("/health", response_model=Health)
+    async def health() -> Health:
+        view = service.view()
+        return Health(
+            ok=True, node=service.node_id, master=view.master if view else None, term=view.term if view else 0
+        )
+
+    @r.get("/state", response_model=State, responses=auth)
+    async def state() -> State:
+        return state_of(service)
+
+    @r.get(
+        "/instances/preview", response_model=Preview, responses=error_responses("openai", 400, 401, 404, 503)
+    )
+    async def preview(
+        model: str = Query(min_length=1, max_length=256),
+        sequences: int = Query(4, ge=1, le=4096),
+        reserve_tokens: int | None = Query(None, ge=1, le=1 << 24),
+    ) -> Preview:
+        _known(service, model)
+        req = PlacementRequest(sequences=sequences, reserve_tokens=reserve_tokens)
+        try:
+            reply = await asyncio.to_thread(service.client.place, model, req, True)
+        except ClusterError as exc:
+            return Preview(model=model, fits=False, reason=str(exc))
+        return Preview(model=model, fits=True, placement=reply.placement)
+
+    @r.post(
+        "/instances",
+        response_model=InstanceState,
+        status_code=201,
+        responses=error_responses("openai", 400, 401, 404, 409, 503),
+    )
+    async def place(body: PlaceBody) -> InstanceState:
+        _known(service, body.model)
+        req = PlacementRequest(
+            sequences=body.sequences, reserve_tokens=body.reserve_tokens, max_stages=body.max_stages
+        )
+        try:
+            reply = await asyncio.to_thread(service.client.place, body.model, req)
+        except ClusterError as exc:
+            raise ApiError(409, f"model {body.model!r} cannot be placed: {exc}", "placement_error") from exc
+        assert reply.instance is not None
+        return InstanceState(**reply.instance.model_dump())
+
+    @r.delete(
+        "/instances/{instance}", response_model=Removed, responses=error_responses("openai", 401, 404, 503)
+    )
+    async def remove(instance: str) -> Removed:
+        if service.client.instance(instance) is None:
+            raise ApiError(404, f"no instance {instance!r}", "not_found_error", "instance")
+        try:
+            await asyncio.to_thread(service.client.remove, instance)
+        except ClusterError as exc:
+            raise ApiError(503, str(exc), "service_unavailable") from exc
+        return Removed(removed=instance)
+
+    @r.get(
+        "/events",
+        responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}, **auth},
+        response_class=StreamingResponse,
+    )
+    async def events() -> StreamingResponse:
+        """Server-sent events: `state` (the whole /state, on connect and at most once a second after a
+        change) and `cluster` (each join, leave, placement, failure and recovery, as it happens)."""
+        return StreamingResponse(
+            _feed(service), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    return r
+
+
+def _known(service: Service, model: str) -> None:
+    if model not in service.model_names():
+        known = ", ".join(service.model_names()) or "none"
+        raise ApiError(
+            404, f"model {model!r} is on no live node (known: {known})", "not_found_error", "model"
+        )
+
+
+async def _feed(service: Service) -> AsyncIterator[bytes]:
+    q = service.subscribe()
+    try:
+        yield sse(state_of(service).model_dump(mode="json"), "state")
+        last_state = time.monotonic()
+        dirty = False
+        while True:
+            wait = KEEPALIVE_S if not dirty else max(0.0, STATE_PERIOD_S - (time.monotonic() - last_state))
+            try:
+                kind, data = await asyncio.wait_for(q.get(), timeout=wait)
+            except TimeoutError:
+                kind, data = ("tick", None)
+            if kind == "cluster":
+                yield sse(data, "cluster")
+            elif kind == "view":
+                dirty = True
+            if dirty and time.monotonic() - last_state >= STATE_PERIOD_S:
+                yield sse(state_of(service).model_dump(mode="json"), "state")
+                last_state, dirty = time.monotonic(), False
+            elif kind == "tick" and not dirty:
+                yield b": keep-alive\n\n"
+    finally:
+        service.unsubscribe(q)

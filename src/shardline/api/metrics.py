@@ -1,0 +1,79 @@
+"""Prometheus metrics of one node's API: what it served, how fast, and what the cluster went through.
+
+Counters and histograms are updated as requests run; gauges (queue depth, running requests) are read from the
+fronts when scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _Gauges(Collector):
+    def __init__(self, read: Callable[[], dict[str, tuple[int, int, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        queued = GaugeMetricFamily(
+            "shardline_queue_depth", "requests of this node waiting for the instance", labels=["instance"]
+        )
+        running = GaugeMetricFamily(
+            "shardline_running_requests", "requests of this node the instance is running", labels=["instance"]
+        )
+        held = GaugeMetricFamily(
+            "shardline_leader_requests",
+            "requests the instance's leader holds, from every node (its last beat)",
+            labels=["instance"],
+        )
+        for instance, (q, r, h) in sorted(self._read().items()):
+            queued.add_metric([instance], q)
+            running.add_metric([instance], r)
+            held.add_metric([instance], h)
+        yield from (queued, running, held)
+
+
+class Metrics:
+    def __init__(self, gauges: Callable[[], dict[str, tuple[int, int, int]]]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "shardline_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.tokens_in = Counter("shardline_prompt_tokens", "prompt tokens received", ["model"], registry=r)
+        self.tokens_out = Counter("shardline_generated_tokens", "tokens generated", ["model"], registry=r)
+        self.ttft = Histogram(
+            "shardline_time_to_first_token_seconds",
+            "from a request's arrival to its first token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "shardline_inter_token_latency_seconds",
+            "between consecutive tokens of one request",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cluster_events = Counter(
+            "shardline_cluster_events",
+            "failures, recoveries and other cluster events seen by this node, by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.step = Histogram(
+            "shardline_stage_step_seconds",
+            "one pipeline step's compute time on a stage",
+            ["instance", "stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(_Gauges(gauges))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,300 @@
+"""Ollama-compatible routes: /api/chat and /api/generate (NDJSON streamed by default, as Ollama does),
+/api/tags, /api/show, /api/version."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+import shardline
+from shardline.api.errors import ApiError, error_responses, unsupported
+from shardline.api.service import Outcome, Run, Service
+from shardline.api.streaming import ndjson, stream_response, whole
+from shardline.compute.sampling import SamplingParams
+
+STREAMED = {"content": {"application/x-ndjson": {"schema": {"type": "string"}}}}
+ERRORS = error_responses("ollama", 400, 401, 404, 429, 503)
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="allow")  # load-time options (num_ctx, num_gpu...) mean nothing here
+
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    num_predict: int | None = Field(None, ge=-2)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(None, ge=0, le=4096)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stop: list[str] | None = None
+
+
+class OllamaMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant"]
+    content: str = ""
+    images: list[str] | None = None
+
+
+class Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    stream: bool | None = True
+    options: Options | None = None
+    format: str | dict[str, Any] | None = None
+    keep_alive: str | float | None = None
+
+
+class ChatRequest(Common):
+    messages: list[OllamaMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(Common):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool | None = False
+    images: list[str] | None = None
+
+
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+
+
+class Details(BaseModel):
+    format: str = "safetensors"
+    family: str = ""
+    families: list[str] = []
+    parameter_size: str = ""
+    quantization_level: str = ""
+
+
+class TagModel(BaseModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: Details
+
+
+class Tags(BaseModel):
+    models: list[TagModel]
+
+
+class ChatOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Final(BaseModel):
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class ChatResponse(Final):
+    message: ChatOut
+
+
+class GenerateResponse(Final):
+    response: str
+
+
+class ShowResponse(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    modelfile: str
+    parameters: str
+    template: str
+    details: Details
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class Version(BaseModel):
+    version: str
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _sampling(o: Options | None) -> tuple[SamplingParams, int | None, list[str]]:
+    o = o or Options()
+    fields: dict[str, Any] = {
+        "temperature": 0.8 if o.temperature is None else o.temperature,  # Ollama's default
+        "top_p": o.top_p or 0.9,
+        "top_k": 40 if o.top_k is None else o.top_k,
+        "min_p": o.min_p or 0.0,
+        "repetition_penalty": o.repeat_penalty or 1.1,
+        "repetition_context": 64 if o.repeat_last_n is None else o.repeat_last_n,
+        "presence_penalty": o.presence_penalty or 0.0,
+        "frequency_penalty": o.frequency_penalty or 0.0,
+    }
+    if o.seed is not None:
+        fields["seed"] = o.seed % (2**63)
+    limit = None if o.num_predict is None or o.num_predict < 0 else o.num_predict
+    if limit == 0:
+        raise ApiError(400, "num_predict must not be 0", param="num_predict")
+    stops = [s for s in (o.stop or []) if s]
+    return SamplingParams(**fields), limit, stops
+
+
+def _check(req: Common) -> None:
+    if req.format not in (None, ""):
+        raise unsupported("format", "format (structured output)")
+
+
+def _final(run: Run, o: Outcome) -> dict[str, Any]:
+    t = o.timings
+    ns = 1_000_000_000
+    prefill = t.ttft_s or 0.0
+    return {
+        "model": run.model,
+        "created_at": _now(),
+        "done": True,
+        "done_reason": "length" if o.finish_reason == "length" else "stop",
+        "total_duration": int(t.total_s * ns),
+        "load_duration": 0,
+        "prompt_eval_count": o.prompt_tokens,
+        "prompt_eval_duration": int(prefill * ns),
+        "eval_count": o.completion_tokens,
+        "eval_duration": int(max(0.0, t.total_s - prefill) * ns),
+    }
+
+
+def router(service: Service) -> APIRouter:
+    r = APIRouter(tags=["Ollama"])
+
+    @r.post("/api/chat", response_model=ChatResponse, responses={**ERRORS, 200: STREAMED})
+    async def chat(req: ChatRequest, request: Request) -> Any:
+        _check(req)
+        if req.tools:
+            raise unsupported("tools", "tools (function calling)")
+        if any(m.images for m in req.messages):
+            raise unsupported("images", "images")
+        sampling, limit, stops = _sampling(req.options)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        run = await service.start(
+            "ollama_chat", req.model, lambda t: t.chat(messages), limit, sampling, stops
+        )
+        if req.stream is not False:
+            return stream_response(run, _chat_lines, "ollama", "application/x-ndjson")
+        o = await whole(request, run)
+        return {**_final(run, o), "message": {"role": "assistant", "content": o.text}}
+
+    @r.post("/api/generate", response_model=GenerateResponse, responses={**ERRORS, 200: STREAMED})
+    async def generate(req: GenerateRequest, request: Request) -> Any:
+        _check(req)
+        if req.images:
+            raise unsupported("images", "images")
+        sampling, limit, stops = _sampling(req.options)
+        if not req.prompt:
+            # Ollama answers an empty prompt by loading the model; here the model is placed already.
+            rec, _, _ = await service.target(req.model)
+            return {
+                "model": rec.model,
+                "created_at": _now(),
+                "response": "",
+                "done": True,
+                "done_reason": "load",
+            }
+        if req.raw:
+            prompt_ids = lambda t: t.text(req.prompt)  # noqa: E731
+        else:
+            chat = ([{"role": "system", "content": req.system}] if req.system else []) + [
+                {"role": "user", "content": req.prompt}
+            ]
+            prompt_ids = lambda t: t.chat(chat)  # noqa: E731
+        run = await service.start("ollama_generate", req.model, prompt_ids, limit, sampling, stops)
+        if req.stream is not False:
+            return stream_response(run, _generate_lines, "ollama", "application/x-ndjson")
+        o = await whole(request, run)
+        return {**_final(run, o), "response": o.text}
+
+    @r.get("/api/tags", response_model=Tags, responses=error_responses("ollama", 401))
+    async def tags() -> Tags:
+        now = _now()
+        out = []
+        for name in service.model_names():
+            fp = service.footprint(name)
+            out.append(
+                TagModel(
+                    name=name,
+                    model=name,
+                    modified_at=now,
+                    size=fp.weight_bytes if fp else 0,
+                    digest="",
+                    details=Details(),
+                )
+            )
+        return Tags(models=out)
+
+    @r.post("/api/show", response_model=ShowResponse, responses=error_responses("ollama", 400, 401, 404))
+    async def show(req: ShowRequest) -> Any:
+        if req.model not in service.model_names():
+            raise ApiError(404, f"model {req.model!r} not found", "not_found_error", "model")
+        text = await service.text_of(req.model)
+        fp = service.footprint(req.model)
+        info = {
+            "general.architecture": text.family,
+            f"{text.family}.context_length": text.context_length,
+            f"{text.family}.block_count": fp.layers if fp else 0,
+        }
+        return ShowResponse(
+            modelfile=f"FROM {req.model}\n",
+            parameters="",
+            template=getattr(text.tokenizer, "chat_template", None) or "",
+            details=Details(family=text.family, families=[text.family]),
+            model_info=info,
+            capabilities=["completion"],
+            modified_at=_now(),
+        )
+
+    @r.get("/api/version", response_model=Version)
+    async def version() -> Version:
+        return Version(version=shardline.__version__)
+
+    @r.head("/", include_in_schema=False)
+    async def head() -> JSONResponse:  # `ollama` clients probe the server this way
+        return JSONResponse(None)
+
+    return r
+
+
+async def _chat_lines(run: Run) -> AsyncIterator[bytes]:
+    async for c in run.chunks():
+        if c.text:
+            msg = {"role": "assistant", "content": c.text}
+            yield ndjson({"model": run.model, "created_at": _now(), "message": msg, "done": False})
+    assert run.outcome is not None
+    yield ndjson({**_final(run, run.outcome), "message": {"role": "assistant", "content": ""}})
+
+
+async def _generate_lines(run: Run) -> AsyncIterator[bytes]:
+    async for c in run.chunks():
+        if c.text:
+            yield ndjson({"model": run.model, "created_at": _now(), "response": c.text, "done": False})
+    assert run.outcome is not None
+    yield ndjson({**_final(run, run.outcome), "response": ""})

@@ -1,0 +1,407 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
+from shardline.api.service import ModelText, Outcome, Run, Service
+from shardline.api.streaming import sse, stream_response, whole
+from shardline.compute.sampling import SamplingParams
+from shardline.front.request import Token
+
+MAX_STOPS = 16
+ERRORS = error_responses("openai", 400, 401, 404, 429, 503)
+STREAMED = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """Fields shared by chat and completions requests."""
+
+    model_config = ConfigDict(extra="allow")  # parameters of other servers are accepted and ignored
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    n: int | None = Field(None, ge=1, le=128)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Not OpenAI's, but what local servers accept too.
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+# ---- responses (documented in the OpenAPI spec) ------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(BaseModel):
+    ttft_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    total_s: float
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    timings: Timings
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "shardline"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- request -> run ----------------------------------------------------------------------------------------
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"at most {MAX_STOPS} stop sequences", "stop")
+    if any(not s for s in stops):
+        raise bad_request("a stop sequence must not be empty", "stop")
+    return stops
+
+
+def sampling_of(req: Sampling, top_logprobs: int = 0) -> SamplingParams:
+    if req.n not in (None, 1):
+        raise unsupported("n", "n > 1 (several choices per request)")
+    fields: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": req.top_p or 1.0,
+        "top_k": req.top_k or 0,
+        "min_p": req.min_p or 0.0,
+        "repetition_penalty": req.repetition_penalty or 1.0,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "top_logprobs": top_logprobs,
+    }
+    if req.seed is not None:
+        fields["seed"] = req.seed % (2**63)
+    return SamplingParams(**fields)
+
+
+def message_text(content: str | list[TextPart] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for msg in messages:
+        role = "system" if msg.role == "developer" else msg.role
+        out.append({"role": role, "content": message_text(msg.content)})
+    return out
+
+
+def _check_chat(req: ChatRequest) -> None:
+    if req.tools or req.functions:
+        raise unsupported("tools", "tools (function calling)")
+    if req.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", "tool_choice")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise unsupported("response_format", f"response_format {fmt!r}")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def _completion_prompt(req: CompletionRequest) -> Any:
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str | list):
+        if len(p) != 1:
+            raise unsupported("prompt", "a batch of several prompts")
+        p = p[0]
+    if isinstance(p, list):
+        if not p:
+            raise bad_request("the prompt is empty", "prompt")
+        return list(p)
+    return p
+
+
+def _prompt_ids(prompt: Any, text: ModelText) -> list[int]:
+    if isinstance(prompt, str):
+        return text.text(prompt)
+    if any(not 0 <= t < text.vocab_size for t in prompt):
+        raise bad_request(f"prompt token ids must be in [0, {text.vocab_size})", "prompt")
+    return prompt
+
+
+# ---- formatting --------------------------------------------------------------------------------------------
+
+
+def _usage(o: Outcome) -> dict[str, int]:
+    return {
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+    }
+
+
+def _token_logprob(t: Token, text: ModelText) -> dict[str, Any]:
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        s = text.tokenizer.decode([tok])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]}
+
+
+def _completion_logprobs(tokens: list[Token], text: ModelText) -> dict[str, Any]:
+    strs = [text.tokenizer.decode([t.token]) for t in tokens]
+    offsets, at = [], 0
+    for s in strs:
+        offsets.append(at)
+        at += len(s)
+    return {
+        "tokens": strs,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{text.tokenizer.decode([i]): lp for i, lp in t.top_logprobs} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def router(service: Service) -> APIRouter:
+    r = APIRouter(tags=["OpenAI"])
+
+    @r.get("/v1/models", response_model=ModelList, responses=error_responses("openai", 401))
+    async def list_models() -> ModelList:
+        now = int(time.time())
+        return ModelList(data=[ModelCard(id=name, created=now) for name in service.model_names()])
+
+    @r.get("/v1/models/{model}", response_model=ModelCard, responses=error_responses("openai", 401, 404))
+    async def get_model(model: str) -> ModelCard:
+        if model not in service.model_names():
+            raise ApiError(
+                404, f"model {model!r} does not exist", "not_found_error", "model", "model_not_found"
+            )
+        return ModelCard(id=model, created=int(time.time()))
+
+    @r.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletion,
+        responses={**ERRORS, 200: STREAMED},
+    )
+    async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        _check_chat(req)
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        sampling = sampling_of(req, top)
+        stops = _stops(req.stop)
+        messages = chat_messages(req.messages)
+        run = await service.start(
+            "chat",
+            req.model,
+            lambda text: text.chat(messages),
+            req.max_completion_tokens or req.max_tokens,
+            sampling,
+            stops,
+        )
+        text = await service.text_of(run.model)
+        want_lp = bool(req.logprobs)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return stream_response(run, lambda run: _chat_events(run, text, want_lp, usage), "openai")
+        outcome = await whole(request, run)
+        logprobs = None
+        if want_lp:
+            logprobs = {"content": [_token_logprob(t, text) for t in run.used]}
+        return ChatCompletion(
+            id=f"chatcmpl-{run.id}",
+            created=run.created,
+            model=run.model,
+            choices=[
+                ChatChoice(
+                    message=AssistantMessage(content=outcome.text),
+                    logprobs=logprobs,
+                    finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+                )
+            ],
+            usage=Usage(**_usage(outcome)),
+            timings=Timings(**outcome.timings.as_dict()),  # type: ignore[arg-type]
+        )
+
+    @r.post("/v1/completions", response_model=Completion, responses={**ERRORS, 200: STREAMED})
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        if req.echo:
+            raise unsupported("echo", "echo")
+        if req.suffix:
+            raise unsupported("suffix", "suffix")
+        if req.best_of not in (None, 1):
+            raise unsupported("best_of", "best_of > 1")
+        prompt = _completion_prompt(req)
+        sampling = sampling_of(req, req.logprobs or 0)
+        run = await service.start(
+            "completions",
+            req.model,
+            lambda text: _prompt_ids(prompt, text),
+            req.max_tokens if req.max_tokens is not None else 16,  # OpenAI's default for completions
+            sampling,
+            _stops(req.stop),
+        )
+        text = await service.text_of(run.model)
+        want_lp = req.logprobs is not None
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return stream_response(run, lambda run: _completion_events(run, text, want_lp, usage), "openai")
+        outcome = await whole(request, run)
+        return Completion(
+            id=f"cmpl-{run.id}",
+            created=run.created,
+            model=run.model,
+            choices=[
+                CompletionChoice(
+                    text=outcome.text,
+                    logprobs=_completion_logprobs(run.used, text) if want_lp else None,
+                    finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+                )
+            ],
+            usage=Usage(**_usage(outcome)),
+            timings=Timings(**outcome.timings.as_dict()),  # type: ignore[arg-type]
+        )
+
+    return r
+
+
+async def _chat_events(run: Run, text: ModelText, logprobs: bool, usage: bool) -> AsyncIterator[bytes]:
+    base = {
+        "id": f"chatcmpl-{run.id}",
+        "object": "chat.completion.chunk",
+        "created": run.created,
+        "model": run.model,
+    }
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return sse({**base, "choices": [choice]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for c in run.chunks():
+        lp = {"content": [_token_logprob(t, text) for t in c.tokens]} if logprobs and c.tokens else None
+        if c.text or lp:
+            yield chunk({"content": c.text}, lp=lp)
+    assert run.outcome is not None
+    yield chunk({}, run.outcome.finish_reason)
+    if usage:
+        yield sse(
+            {**base, "choices": [], "usage": _usage(run.outcome), "timings": run.outcome.timings.as_dict()}
+        )
+    yield sse("[DONE]")
+
+
+async def _completion_events(run: Run, text: ModelText, logprobs: bool, usage: bool) -> AsyncIterator[bytes]:
+    base = {"id": f"cmpl-{run.id}", "object": "text_completion", "created": run.created, "model": run.model}
+    async for c in run.chunks():
+        lp = _completion_logprobs(c.tokens, text) if logprobs and c.tokens else None
+        if c.text or lp:
+            yield sse(
+                {**base, "choices": [{"index": 0, "text": c.text, "logprobs": lp, "finish_reason": None}]}
+            )
+    assert run.outcome is not None
+    yield sse(
+        {
+            **base,
+            "choices": [
+                {"index": 0, "text": "", "logprobs": None, "finish_reason": run.outcome.finish_reason}
+            ],
+        }
+    )
+    if usage:
+        yield sse(
+            {**base, "choices": [], "usage": _usage(run.outcome), "timings": run.outcome.timings.as_dict()}
+        )
+    yield sse("[DONE]")

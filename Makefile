@@ -1,7 +1,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PROMPT ?= What is the capital of France?
 
 .PHONY: setup run test lint bench clean
 
@@ -17,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(VENV)/bin/shardline up --nodes 2 --ask "$(PROMPT)"
+	$(VENV)/bin/shardline up --nodes 2
 
 test: setup
 	$(VENV)/bin/ruff check src tests

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -99,15 +100,25 @@ def _wait_line(q: queue.Queue[str], needle: str, timeout: float) -> str:
 
 @pytest.mark.timeout(300)
 def test_up_serves_the_default_model_and_stops_cleanly_on_ctrl_c(tmp_path):
-    port = free_port()
+    port, api_port = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "shardline", "up", "--nodes", "2", "--port", str(port)]
-    up = subprocess.Popen(
-        [*argv, "--data-dir", str(tmp_path / "up")], stdout=subprocess.PIPE, text=True, env=env
-    )
+    argv += ["--api-port", str(api_port), "--data-dir", str(tmp_path / "up")]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     try:
-        ready = _wait_line(_lines(up.stdout), "ready on 2 nodes", 240)
-        assert f"tcp/127.0.0.1:{port}" in ready
+        lines = _lines(up.stdout)
+        ready = _wait_line(lines, "ready on 2 nodes", 240)
+        assert f"http://127.0.0.1:{api_port}" in ready
+        # The line printed for pasting, pasted into a shell: it streams an answer.
+        curl = _wait_line(lines, "curl ", 10).strip()
+        pasted = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=180)
+        assert pasted.returncode == 0, pasted.stderr
+        events = [ln[len("data: ") :] for ln in pasted.stdout.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 3
+        answer = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"]
+        )
+        assert "Paris" in answer
         family = [p.pid for p in psutil.Process(up.pid).children(recursive=True)]
         assert len(family) >= 4  # two nodes and their runners
         out = subprocess.run(

@@ -210,7 +210,7 @@ class LabNode:
         self.log = self.data_dir / "node.log"
         argv = [PY, "-m", "shardline", "-v", "node", "--listen", self.endpoint]
         argv += ["--multicast-interface", host.interface, "--name", node_id, "--data-dir", str(self.data_dir)]
-        argv += ["--models-dir", str(models), "--namespace", namespace, "--threads", "1"]
+        argv += ["--models-dir", str(models), "--namespace", namespace, "--threads", "1", "--no-api"]
         argv += ["--prefill-step", "8", "--lease-ms", str(int(LEASE_S * 1000))]
         argv += ["--runner-settings", json.dumps(FAST_RUNNERS)]
         with open(self.log, "wb") as out:

@@ -204,7 +204,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def curl_line(api: str, model: str, prompt: str = "What is the capital of France?") -> str:
-    body = json.dumps({"model": model, "stream": True, "messages": [{"role": "user", "content": prompt}]})
+    messages = [{"role": "user", "content": prompt}]
+    body = json.dumps({"model": model, "stream": True, "temperature": 0, "messages": messages})
     return f"curl -N {api}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 

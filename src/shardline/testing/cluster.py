@@ -44,6 +44,7 @@ class NodeProc:
     endpoint: str
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    api: str = ""  # http://127.0.0.1:PORT
 
     def start(self, prefix: list[str] | None = None) -> NodeProc:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -113,18 +114,23 @@ class LocalCluster:
     namespace: str = "shardline"
     nodes: dict[str, NodeProc] = field(default_factory=dict)
     clients: list[ClusterClient] = field(default_factory=list)
+    _peers: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         ports = [free_port() for _ in self.ids]
         first = f"tcp/127.0.0.1:{ports[0]}"
         for i, (node_id, port) in enumerate(zip(self.ids, ports, strict=True)):
-            argv = self.argv(node_id, f"tcp/127.0.0.1:{port}", [] if i == 0 else [first])
-            argv += self.node_extra.get(node_id, [])
             endpoint = f"tcp/127.0.0.1:{port}"
-            self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, endpoint)
+            api = f"http://127.0.0.1:{free_port()}"
+            # argv is made at start(): flags set on the cluster after it was made still count.
+            self.nodes[node_id] = NodeProc(node_id, self.root / node_id, [], endpoint, api=api)
+            self._peers[node_id] = [] if i == 0 else [first]
 
-    def argv(self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None) -> list[str]:
+    def argv(
+        self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None, api_port: int = 0
+    ) -> list[str]:
         argv = [sys.executable, "-m", "shardline", "-v", "node", "--listen", listen, "--name", node_id]
+        argv += ["--api-port", str(api_port)]
         argv += ["--data-dir", str(self.root / node_id), "--models-dir", str(models_dir or self.models_dir)]
         argv += ["--namespace", self.namespace, "--threads", "1", "--prefill-step", "8", "--lease-ms", "2000"]
         argv += ["--runner-settings", json.dumps(self.runners), *self.extra]
@@ -133,15 +139,20 @@ class LocalCluster:
         return argv
 
     def start(self) -> LocalCluster:
-        for n in self.nodes.values():
+        for node_id, n in self.nodes.items():
+            api_port = int(n.api.rpartition(":")[2])
+            n.argv = self.argv(node_id, n.endpoint, self._peers[node_id], api_port=api_port)
+            n.argv += self.node_extra.get(node_id, [])
             n.start()
         return self
 
     def add(self, node_id: str, *extra: str, models_dir: Path | None = None) -> NodeProc:
         first = next(iter(self.nodes.values())).endpoint
-        port = free_port()
-        argv = [*self.argv(node_id, f"tcp/127.0.0.1:{port}", [first], models_dir), *extra]
-        self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, f"tcp/127.0.0.1:{port}").start()
+        port, api_port = free_port(), free_port()
+        argv = [*self.argv(node_id, f"tcp/127.0.0.1:{port}", [first], models_dir, api_port), *extra]
+        api = f"http://127.0.0.1:{api_port}"
+        node = NodeProc(node_id, self.root / node_id, argv, f"tcp/127.0.0.1:{port}", api=api)
+        self.nodes[node_id] = node.start()
         return self.nodes[node_id]
 
     def client(self, via: str | None = None) -> ClusterClient:

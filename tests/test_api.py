@@ -6,6 +6,7 @@ requests through at once (the overload tests). Every test leaves the instance as
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -132,7 +133,7 @@ def test_auto_placed_instance_spans_both_nodes(api):
     assert rec["model"] == MODEL and rec["phase"] == "ready"
     stages = rec["stages"]
     assert {s["node_id"] for s in stages} == {"a1", "a2"}
-    assert stages[0]["start"] == 0 and all(a["end"] == b["start"] for a, b in zip(stages, stages[1:]))
+    assert stages[0]["start"] == 0 and all(a["end"] == b["start"] for a, b in itertools.pairwise(stages))
 
 
 @pytest.mark.timeout(300)
@@ -259,7 +260,12 @@ def test_anthropic_client_streamed_and_whole(api, greedy, tokenizer):
         final = s.get_final_message()
     assert text == expected and final.usage.output_tokens == m.usage.output_tokens
     cut = client.messages.create(
-        model=MODEL, max_tokens=24, messages=msgs, extra_body=greedy_body, stop_sequences=["Paris"], system="Be brief."
+        model=MODEL,
+        max_tokens=24,
+        messages=msgs,
+        extra_body=greedy_body,
+        stop_sequences=["Paris"],
+        system="Be brief.",
     )
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == "Paris"
     assert "Paris" not in cut.content[0].text
@@ -487,8 +493,8 @@ def test_schemathesis_finds_no_5xx_and_every_error_in_its_documented_shape(api):
                 database=None,
             )
             @given(case=op.as_strategy(generation_mode=mode))
-            def check(case: Any) -> None:
-                _cap_generation(case, name_the_model=mode == GenerationMode.POSITIVE)
+            def check(case: Any, positive: bool = mode == GenerationMode.POSITIVE) -> None:
+                _cap_generation(case, name_the_model=positive)
                 response = case.call(base_url=api, timeout=60)
                 case.validate_response(response, checks=checks)
 
@@ -514,9 +520,9 @@ def _cap_generation(case: Any, name_the_model: bool) -> None:
         value = body.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value > 4:
             body[key] = 4
-    if case.path in ("/v1/chat/completions", "/v1/completions"):
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = 4  # absent or null: up to the whole context
+    unbounded = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    if case.path in ("/v1/chat/completions", "/v1/completions") and unbounded:
+        body["max_tokens"] = 4  # absent or null: up to the whole context
     if case.path in ("/api/chat", "/api/generate"):
         opts = body.get("options")
         if opts is None:
@@ -539,7 +545,7 @@ def test_state_preview_place_remove_and_events(api):
     preview = _get(api, f"/instances/preview?model={MODEL}").json()
     assert preview["fits"] and preview["placement"]["stages"]
     huge = _get(api, f"/instances/preview?model={MODEL}&sequences=4096&reserve_tokens=1000000").json()
-    assert not huge["fits"] and "GB" in huge["reason"] or "bytes" in huge["reason"]
+    assert not huge["fits"] and any(ch.isdigit() for ch in huge["reason"]), huge  # it says why in numbers
     r = httpx.post(
         api + "/instances", json={"model": MODEL, "sequences": 4096, "reserve_tokens": 1000000}, timeout=60
     )

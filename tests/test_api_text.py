@@ -1,4 +1,4 @@
-"""Tokens to text: whole characters in every chunk, stop strings found across token boundaries and never sent."""
+"""Tokens to text: whole characters in every chunk; stop strings found across tokens and never sent."""
 
 from __future__ import annotations
 

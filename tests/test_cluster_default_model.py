@@ -115,9 +115,8 @@ def test_up_serves_the_default_model_and_stops_cleanly_on_ctrl_c(tmp_path):
         assert pasted.returncode == 0, pasted.stderr
         events = [ln[len("data: ") :] for ln in pasted.stdout.splitlines() if ln.startswith("data: ")]
         assert events[-1] == "[DONE]" and len(events) > 3
-        answer = "".join(
-            c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"]
-        )
+        chunks = [json.loads(e) for e in events[:-1]]
+        answer = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
         assert "Paris" in answer
         family = [p.pid for p in psutil.Process(up.pid).children(recursive=True)]
         assert len(family) >= 4  # two nodes and their runners

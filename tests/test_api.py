@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 KEY = "sk-test-key"
 QUESTION = "What is the capital of France?"
+ORIGIN = "http://dashboard.example"
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, period: float = 0.05) -> Any:
@@ -58,7 +59,7 @@ def cluster(tmp_path_factory, model_dir) -> Iterator[LocalCluster]:
     c = LocalCluster(tmp_path_factory.mktemp("api"), ["a1", "a2"], model_dir.parent)
     c.runners.update(step_timeout=30.0, step_deadline_floor=2.0, heartbeat_timeout=4.0)
     c.extra = ["--prefill-step", "64"]
-    c.node_extra = {"a2": ["--api-key", KEY, "--max-pending", "3"]}
+    c.node_extra = {"a2": ["--api-key", KEY, "--max-pending", "3", "--cors-origin", ORIGIN]}
     c.start()
     try:
         client = c.client("a1")
@@ -457,10 +458,22 @@ def test_api_key_is_required_where_set(cluster, api):
     assert httpx.get(api + "/state", timeout=10).status_code == 200  # a1 has no key
 
 
+@pytest.mark.timeout(60)
+def test_cors_is_off_by_default_and_allows_only_configured_origins(cluster, api):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    off = httpx.options(api + CHAT, headers=preflight, timeout=10)
+    assert "access-control-allow-origin" not in off.headers
+    api2 = cluster.nodes["a2"].api
+    on = httpx.options(api2 + CHAT, headers=preflight, timeout=10)
+    assert on.status_code == 200 and on.headers["access-control-allow-origin"] == ORIGIN
+    elsewhere = "http://elsewhere.example"
+    other = httpx.options(api2 + CHAT, headers={**preflight, "Origin": elsewhere}, timeout=10)
+    assert other.headers.get("access-control-allow-origin") != elsewhere
+
+
 @pytest.mark.timeout(600)
 def test_schemathesis_finds_no_5xx_and_every_error_in_its_documented_shape(api):
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
     from schemathesis.checks import (
@@ -484,20 +497,7 @@ def test_schemathesis_finds_no_5xx_and_every_error_in_its_documented_shape(api):
         if op.path == "/events":
             continue  # an endless stream: /events has its own test
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            @settings(
-                max_examples=12,
-                deadline=None,
-                phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck),
-                database=None,
-            )
-            @given(case=op.as_strategy(generation_mode=mode))
-            def check(case: Any, positive: bool = mode == GenerationMode.POSITIVE) -> None:
-                _cap_generation(case, name_the_model=positive)
-                response = case.call(base_url=api, timeout=60)
-                case.validate_response(response, checks=checks)
-
+            check = _fuzz(op, mode == GenerationMode.POSITIVE, api, checks)
             try:
                 check()
             except Unsatisfiable:  # nothing to make invalid (an operation without parameters)
@@ -506,6 +506,28 @@ def test_schemathesis_finds_no_5xx_and_every_error_in_its_documented_shape(api):
     assert tried >= 20
     ok = httpx.post(api + CHAT, json=OK_CHAT, timeout=120)  # still serving
     assert ok.status_code == 200
+
+
+def _fuzz(op: Any, positive: bool, api: str, checks: list[Any]) -> Callable[[], None]:
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+
+    mode = GenerationMode.POSITIVE if positive else GenerationMode.NEGATIVE
+
+    @settings(
+        max_examples=12,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+    @given(case=op.as_strategy(generation_mode=mode))
+    def check(case: Any) -> None:
+        _cap_generation(case, name_the_model=positive)
+        response = case.call(base_url=api, timeout=60)
+        case.validate_response(response, checks=checks)
+
+    return check
 
 
 def _cap_generation(case: Any, name_the_model: bool) -> None:

@@ -154,6 +154,22 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from shardline.bench.serve import run
+
+    _positive(args.clients, "--clients")
+    _positive(args.max_tokens, "--max-tokens")
+    _positive(args.pairs, "--pairs")
+    run(
+        model=args.model,
+        json_path=args.json,
+        clients=args.clients,
+        max_tokens=args.max_tokens,
+        pairs=args.pairs,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -211,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
     bcl.add_argument("--model", default=None)
     bcl.add_argument("--json", type=Path, default=None)
     bcl.set_defaults(func=cmd_bench_cluster)
+    bs = bsub.add_parser(
+        "serve", help="streaming clients over HTTP against the Python API, on a 2-node cluster"
+    )
+    bs.add_argument("--model", default=None)
+    bs.add_argument("--json", type=Path, default=None)
+    bs.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
+    bs.add_argument("--max-tokens", type=int, default=48)
+    bs.add_argument("--pairs", type=int, default=3, help="alternating HTTP / Python API rounds")
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -58,6 +58,7 @@ class Sampling(BaseModel):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    ignore_eos: bool | None = False  # as vLLM: generate max_tokens whatever the model says (benchmarks)
 
 
 class ChatRequest(Sampling):
@@ -290,6 +291,7 @@ def router(service: Service) -> APIRouter:
             req.max_completion_tokens or req.max_tokens,
             sampling,
             stops,
+            ignore_eos=bool(req.ignore_eos),
         )
         text = await service.text_of(run.model)
         want_lp = bool(req.logprobs)
@@ -332,6 +334,7 @@ def router(service: Service) -> APIRouter:
             req.max_tokens if req.max_tokens is not None else 16,  # OpenAI's default for completions
             sampling,
             _stops(req.stop),
+            ignore_eos=bool(req.ignore_eos),
         )
         text = await service.text_of(run.model)
         want_lp = req.logprobs is not None

@@ -38,6 +38,7 @@ from shardline.front.front import Front
 from shardline.front.request import RequestHandle, Token
 
 log = logging.getLogger("shardline.api")
+REMOVED_AFTER_S = 2.0  # an instance missing from views this long is gone (a new master's first view may lag)
 
 
 class ApiSettings(BaseModel):
@@ -261,6 +262,7 @@ class Service:
         self._view_ready = threading.Event()
         self._closed = threading.Event()
         self._steps: dict[tuple[str, int], int] = {}
+        self._missing: dict[str, float] = {}  # instance -> since when views no longer list it
         self._status_sub = client.session.declare_subscriber(
             f"{client.namespace}/i/*/*/status/*", self._on_status
         )
@@ -405,6 +407,7 @@ class Service:
         max_tokens: int | None,
         sampling: SamplingParams,
         stop: list[str],
+        ignore_eos: bool = False,
     ) -> Run:
         """Submit a request; errors before any token (bad input, overload, no model) raise ApiError."""
         started = time.monotonic()
@@ -425,7 +428,8 @@ class Service:
             raise
         try:
             limit = max_tokens if max_tokens is not None else text.context_length
-            handle = front.submit(ids, max_tokens=limit, sampling=sampling, stop_tokens=text.eos)
+            eos = [] if ignore_eos else text.eos
+            handle = front.submit(ids, max_tokens=limit, sampling=sampling, stop_tokens=eos)
         except BaseException as exc:
             self._release()
             err = _submit_error(exc)
@@ -466,6 +470,14 @@ class Service:
                 log.exception("api: following the view failed")
 
     def _take(self, view: cm.ClusterView) -> None:
+        listed = {r.instance for r in view.instances}
+        now = time.monotonic()
+        for instance in self.client.fronts():
+            if instance in listed:
+                self._missing.pop(instance, None)
+            elif now - self._missing.setdefault(instance, now) > REMOVED_AFTER_S:
+                self._missing.pop(instance, None)
+                self.client.drop_front(instance, f"instance {instance} was removed")
         for rec in view.instances:
             if rec.phase != "failed" and rec.instance not in self.client.fronts():
                 try:

@@ -165,6 +165,13 @@ class ClusterClient:
             _catch_up(front, rec)
         return front
 
+    def drop_front(self, instance: str, why: str) -> None:
+        """Close the front of an instance that is gone: its requests end with `why`, never wait forever."""
+        with self._cond:
+            front = self._fronts.pop(instance, None)
+        if front is not None:
+            front.close(why)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

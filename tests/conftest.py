@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import psutil
@@ -67,6 +69,32 @@ def start_engine(tmp_path: Path) -> Iterator:
         pids = runner_pids(engine)
         engine.shutdown()
         assert_no_runner_left(pids)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, period: float = 0.05) -> Any:
+    """predicate()'s first truthy value; AssertionError naming `what` past the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        threading.Event().wait(period)  # a poll period while waiting on a condition with a deadline
+    raise AssertionError(f"{what} not within {timeout:.0f}s")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default model (imported once)."""
+    from shardline.models.registry import resolve_model
+
+    return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Any:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(model_dir)
 
 
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:

@@ -11,7 +11,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -20,10 +19,9 @@ import ollama
 import openai
 import psutil
 import pytest
-from conftest import assert_no_runner_left
+from conftest import assert_no_runner_left, wait_for
 
-from shardline.models.registry import resolve_model
-from shardline.testing.cluster import LocalCluster
+from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -32,32 +30,11 @@ QUESTION = "What is the capital of France?"
 ORIGIN = "http://dashboard.example"
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, period: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        threading.Event().wait(period)  # a poll period while waiting on a condition with a deadline
-    raise AssertionError(f"{what} not within {timeout:.0f}s")
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return resolve_model(None, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    return load_tokenizer(model_dir)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir) -> Iterator[LocalCluster]:
     c = LocalCluster(tmp_path_factory.mktemp("api"), ["a1", "a2"], model_dir.parent)
-    c.runners.update(step_timeout=30.0, step_deadline_floor=2.0, heartbeat_timeout=4.0)
+    c.runners = dict(MODEL_RUNNERS)
+    c.api = True
     c.extra = ["--prefill-step", "64"]
     c.node_extra = {"a2": ["--api-key", KEY, "--max-pending", "3", "--cors-origin", ORIGIN]}
     c.start()

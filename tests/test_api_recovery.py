@@ -5,37 +5,24 @@ instance."""
 from __future__ import annotations
 
 import signal
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from conftest import assert_no_runner_left
+from conftest import assert_no_runner_left, wait_for
 
-from shardline.models.registry import resolve_model
-from shardline.testing.cluster import LocalCluster
+from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 
 
-def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        threading.Event().wait(0.1)  # a poll period while waiting on a condition with a deadline
-    raise AssertionError(f"{what} not within {timeout:.0f}s")
-
-
 @pytest.fixture
-def cluster(tmp_path) -> Iterator[LocalCluster]:
-    model_dir = resolve_model(None, progress=False)
+def cluster(tmp_path, model_dir) -> Iterator[LocalCluster]:
     c = LocalCluster(tmp_path, ["k1", "k2", "k3"], model_dir.parent)
-    c.runners.update(step_timeout=30.0, step_deadline_floor=2.0, heartbeat_timeout=4.0)
+    c.runners = dict(MODEL_RUNNERS)
+    c.api = True
     c.extra = ["--prefill-step", "64"]
     c.node_extra = {"k1": ["--no-worker"]}  # the API's node holds no stage: the kill never takes the front
     c.start()

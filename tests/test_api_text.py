@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardline.api.text import Detokenizer, StopMatcher, TextStream
-from shardline.models.registry import resolve_model
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    return load_tokenizer(resolve_model(None, progress=False))
 
 
 def decode_with(tokenizer):

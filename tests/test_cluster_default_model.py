@@ -11,36 +11,22 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
 from conftest import assert_no_runner_left
 
 from shardline.cluster.placement import PlacementRequest
-from shardline.models.registry import resolve_model
-from shardline.testing.cluster import LocalCluster, free_port
+from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return resolve_model(None, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    return load_tokenizer(model_dir)
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir) -> Iterator[LocalCluster]:
     c = LocalCluster(tmp_path_factory.mktemp("dm"), ["d1", "d2", "d3"], model_dir.parent)
-    c.runners.update(step_timeout=30.0, step_deadline_floor=2.0, heartbeat_timeout=4.0)
+    c.runners = dict(MODEL_RUNNERS)
     c.extra = ["--prefill-step", "64"]
     c.start()
     yield c

@@ -10,10 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import bad_request, error_responses, unsupported
 from shardline.api.service import Outcome, Run, Service
-from shardline.api.streaming import sse, stream_response, whole
+from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
 from shardline.compute.sampling import SamplingParams
-
-STREAMED = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
 class TextBlock(BaseModel):
@@ -90,7 +88,7 @@ def router(service: Service) -> APIRouter:
     @r.post(
         "/v1/messages",
         response_model=MessageResponse,
-        responses={**error_responses("anthropic", 400, 401, 404, 429, 503), 200: STREAMED},
+        responses={**error_responses("anthropic", 400, 401, 404, 429, 503), 200: STREAMED_SSE},
     )
     async def messages(req: MessagesRequest, request: Request) -> Any:
         if req.tools:

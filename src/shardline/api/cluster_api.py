@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from shardline.api.errors import ApiError, error_responses
 from shardline.api.service import Service
-from shardline.api.streaming import sse
+from shardline.api.streaming import STREAMED_SSE, sse
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterError
 from shardline.cluster.placement import Placement, PlacementRequest
@@ -155,7 +155,7 @@ def router(service: Service) -> APIRouter:
 
     @r.get(
         "/events",
-        responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}, **auth},
+        responses={200: STREAMED_SSE, **auth},
         response_class=StreamingResponse,
     )
     async def events() -> StreamingResponse:

@@ -14,10 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 import shardline
 from shardline.api.errors import ApiError, error_responses, unsupported
 from shardline.api.service import Outcome, Run, Service
-from shardline.api.streaming import ndjson, stream_response, whole
+from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 
-STREAMED = {"content": {"application/x-ndjson": {"schema": {"type": "string"}}}}
 ERRORS = error_responses("ollama", 400, 401, 404, 429, 503)
 
 
@@ -187,7 +186,7 @@ def _final(run: Run, o: Outcome) -> dict[str, Any]:
 def router(service: Service) -> APIRouter:
     r = APIRouter(tags=["Ollama"])
 
-    @r.post("/api/chat", response_model=ChatResponse, responses={**ERRORS, 200: STREAMED})
+    @r.post("/api/chat", response_model=ChatResponse, responses={**ERRORS, 200: STREAMED_NDJSON})
     async def chat(req: ChatRequest, request: Request) -> Any:
         _check(req)
         if req.tools:
@@ -204,7 +203,7 @@ def router(service: Service) -> APIRouter:
         o = await whole(request, run)
         return {**_final(run, o), "message": {"role": "assistant", "content": o.text}}
 
-    @r.post("/api/generate", response_model=GenerateResponse, responses={**ERRORS, 200: STREAMED})
+    @r.post("/api/generate", response_model=GenerateResponse, responses={**ERRORS, 200: STREAMED_NDJSON})
     async def generate(req: GenerateRequest, request: Request) -> Any:
         _check(req)
         if req.images:

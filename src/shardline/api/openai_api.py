@@ -11,13 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
 from shardline.api.service import ModelText, Outcome, Run, Service
-from shardline.api.streaming import sse, stream_response, whole
+from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
 
 MAX_STOPS = 16
 ERRORS = error_responses("openai", 400, 401, 404, 429, 503)
-STREAMED = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
 class TextPart(BaseModel):
@@ -108,14 +107,17 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class ChatCompletion(BaseModel):
+class _Answer(BaseModel):
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Usage
     timings: Timings
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 class CompletionChoice(BaseModel):
@@ -125,14 +127,9 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Answer):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
-    timings: Timings
 
 
 class ModelCard(BaseModel):
@@ -276,7 +273,7 @@ def router(service: Service) -> APIRouter:
     @r.post(
         "/v1/chat/completions",
         response_model=ChatCompletion,
-        responses={**ERRORS, 200: STREAMED},
+        responses={**ERRORS, 200: STREAMED_SSE},
     )
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
         _check_chat(req)
@@ -317,7 +314,7 @@ def router(service: Service) -> APIRouter:
             timings=Timings(**outcome.timings.as_dict()),  # type: ignore[arg-type]
         )
 
-    @r.post("/v1/completions", response_model=Completion, responses={**ERRORS, 200: STREAMED})
+    @r.post("/v1/completions", response_model=Completion, responses={**ERRORS, 200: STREAMED_SSE})
     async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.echo:
             raise unsupported("echo", "echo")

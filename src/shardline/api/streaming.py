@@ -15,6 +15,15 @@ from shardline.api.service import Outcome, Run
 
 T = TypeVar("T")
 
+# How a route documents its streamed form in the OpenAPI spec: each server-sent event (event name, data
+# line), or each NDJSON line (an object).
+SSE_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}},
+}
+STREAMED_SSE = {"content": {"text/event-stream": {"schema": SSE_EVENT}}}
+STREAMED_NDJSON = {"content": {"application/x-ndjson": {"schema": {"type": "object"}}}}
+
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready; its request was cancelled."""

@@ -25,7 +25,7 @@ from shardline.bench.machine import describe
 from shardline.cluster.client import ClusterClient
 from shardline.cluster.placement import PlacementRequest
 from shardline.models.registry import resolve_model
-from shardline.testing.cluster import FAST_RUNNERS, LocalCluster
+from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
 
 TOKENS = 64
 QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how the tides work, step by step."]
@@ -63,7 +63,7 @@ def _stream_with_fault(
 
 
 def _cluster(root: Path, model_dir: Path, reuse: bool) -> LocalCluster:
-    runners = {**FAST_RUNNERS, "step_timeout": 30.0, "step_deadline_floor": 2.0, "heartbeat_timeout": 4.0}
+    runners = dict(MODEL_RUNNERS)
     return LocalCluster(
         root,
         ["a0", "b1", "b2"],

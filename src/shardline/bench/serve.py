@@ -26,7 +26,7 @@ import httpx
 
 from shardline.bench.machine import describe
 from shardline.models.registry import resolve_model
-from shardline.testing.cluster import FAST_RUNNERS, LocalCluster
+from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
 
 QUESTIONS = [
     "Write a short story about a lighthouse keeper.",
@@ -145,9 +145,14 @@ def run(
         for q in QUESTIONS
     ]
     with tempfile.TemporaryDirectory(prefix="shardline-bench-serve-") as tmp:
-        runners = {**FAST_RUNNERS, "step_timeout": 30.0, "step_deadline_floor": 2.0, "heartbeat_timeout": 4.0}
+        runners = dict(MODEL_RUNNERS)
         cluster = LocalCluster(
-            Path(tmp), ["s1", "s2"], model_dir.parent, extra=["--prefill-step", "128"], runners=runners
+            Path(tmp),
+            ["s1", "s2"],
+            model_dir.parent,
+            extra=["--prefill-step", "128"],
+            runners=runners,
+            api=True,
         ).start()
         try:
             client = cluster.client("s1")

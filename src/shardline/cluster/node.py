@@ -37,6 +37,7 @@ from shardline.models.registry import cache_dir
 from shardline.node.agent import NodeAgent
 
 log = logging.getLogger("shardline.node")
+API_URL_FILE = "api-url"
 
 
 class RunnerSettings(RunSettings):
@@ -157,11 +158,14 @@ class Node:
         client = ClusterClient([], self.config.namespace, session=session)
         service = Service(client, self.models_root, settings, self.node_id)
         try:
-            return ApiServer(service).start()
+            server = ApiServer(service).start()
         except OSError:
             service.close()
             client.close()
             raise
+        # Where the API listens (port 0 chose one), for scripts and tests that start nodes.
+        (self.config.resolved_data_dir() / API_URL_FILE).write_text(server.url + "\n")
+        return server
 
     def close(self) -> None:
         """Leave: hand mastery on (the instances it ran live on elsewhere), stop this node's own runners."""

@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,10 @@ FAST_RUNNERS = {
 }
 
 
+# The real default model: its steps take longer than a tiny one's; heartbeats may wait behind a long prefill.
+MODEL_RUNNERS = {**FAST_RUNNERS, "step_timeout": 30.0, "step_deadline_floor": 2.0, "heartbeat_timeout": 4.0}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -44,11 +50,22 @@ class NodeProc:
     endpoint: str
     proc: subprocess.Popen | None = None
     log: Path | None = None
-    api: str = ""  # http://127.0.0.1:PORT
+
+    @property
+    def api(self) -> str:
+        """The node's HTTP API (http://127.0.0.1:PORT), once it listens (the node chose a free port)."""
+        path = self.data_dir / "api-url"
+        deadline = time.monotonic() + 60
+        while not path.is_file():
+            if time.monotonic() > deadline or (self.proc is not None and self.proc.poll() is not None):
+                raise RuntimeError(f"node {self.node_id} serves no HTTP API:\n{self.tail()}")
+            threading.Event().wait(0.05)  # a poll period while waiting on a condition with a deadline
+        return path.read_text().strip()
 
     def start(self, prefix: list[str] | None = None) -> NodeProc:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "node.json").write_text(json.dumps({"id": self.node_id}))
+        (self.data_dir / "api-url").unlink(missing_ok=True)  # a previous run's
         self.log = self.data_dir / "node.log"
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -112,6 +129,7 @@ class LocalCluster:
     node_extra: dict[str, list[str]] = field(default_factory=dict)  # flags of one node only
     runners: dict = field(default_factory=lambda: dict(FAST_RUNNERS))
     namespace: str = "shardline"
+    api: bool = False  # nodes serve HTTP (on ports they choose; NodeProc.api says which)
     nodes: dict[str, NodeProc] = field(default_factory=dict)
     clients: list[ClusterClient] = field(default_factory=list)
     _peers: dict[str, list[str]] = field(default_factory=dict)
@@ -121,16 +139,13 @@ class LocalCluster:
         first = f"tcp/127.0.0.1:{ports[0]}"
         for i, (node_id, port) in enumerate(zip(self.ids, ports, strict=True)):
             endpoint = f"tcp/127.0.0.1:{port}"
-            api = f"http://127.0.0.1:{free_port()}"
             # argv is made at start(): flags set on the cluster after it was made still count.
-            self.nodes[node_id] = NodeProc(node_id, self.root / node_id, [], endpoint, api=api)
+            self.nodes[node_id] = NodeProc(node_id, self.root / node_id, [], endpoint)
             self._peers[node_id] = [] if i == 0 else [first]
 
-    def argv(
-        self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None, api_port: int = 0
-    ) -> list[str]:
+    def argv(self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None) -> list[str]:
         argv = [sys.executable, "-m", "shardline", "-v", "node", "--listen", listen, "--name", node_id]
-        argv += ["--api-port", str(api_port)]
+        argv += ["--api-port", "0"] if self.api else ["--no-api"]
         argv += ["--data-dir", str(self.root / node_id), "--models-dir", str(models_dir or self.models_dir)]
         argv += ["--namespace", self.namespace, "--threads", "1", "--prefill-step", "8", "--lease-ms", "2000"]
         argv += ["--runner-settings", json.dumps(self.runners), *self.extra]
@@ -140,19 +155,16 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         for node_id, n in self.nodes.items():
-            api_port = int(n.api.rpartition(":")[2])
-            n.argv = self.argv(node_id, n.endpoint, self._peers[node_id], api_port=api_port)
+            n.argv = self.argv(node_id, n.endpoint, self._peers[node_id])
             n.argv += self.node_extra.get(node_id, [])
             n.start()
         return self
 
     def add(self, node_id: str, *extra: str, models_dir: Path | None = None) -> NodeProc:
         first = next(iter(self.nodes.values())).endpoint
-        port, api_port = free_port(), free_port()
-        argv = [*self.argv(node_id, f"tcp/127.0.0.1:{port}", [first], models_dir, api_port), *extra]
-        api = f"http://127.0.0.1:{api_port}"
-        node = NodeProc(node_id, self.root / node_id, argv, f"tcp/127.0.0.1:{port}", api=api)
-        self.nodes[node_id] = node.start()
+        port = free_port()
+        argv = [*self.argv(node_id, f"tcp/127.0.0.1:{port}", [first], models_dir), *extra]
+        self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, f"tcp/127.0.0.1:{port}").start()
         return self.nodes[node_id]
 
     def client(self, via: str | None = None) -> ClusterClient:

@@ -78,6 +78,13 @@ class NodeProc:
         assert self.proc is not None
         return self.proc.pid
 
+    def wait_listening(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while "listening on" not in self.tail(200):
+            if time.monotonic() > deadline or (self.proc is not None and self.proc.poll() is not None):
+                raise RuntimeError(f"node {self.node_id} did not start:\n{self.tail()}")
+            threading.Event().wait(0.05)  # a poll period while waiting on a condition with a deadline
+
     def runner_pids(self) -> list[int]:
         """The node's runner processes (its children)."""
         try:
@@ -154,10 +161,14 @@ class LocalCluster:
         return argv
 
     def start(self) -> LocalCluster:
-        for node_id, n in self.nodes.items():
+        for i, (node_id, n) in enumerate(self.nodes.items()):
             n.argv = self.argv(node_id, n.endpoint, self._peers[node_id])
             n.argv += self.node_extra.get(node_id, [])
             n.start()
+            if i == 0:
+                # The others join a node that is up: on a loaded machine a late first node (the lowest id,
+                # so the master tests expect) could otherwise miss the election it should win.
+                n.wait_listening()
         return self
 
     def add(self, node_id: str, *extra: str, models_dir: Path | None = None) -> NodeProc:

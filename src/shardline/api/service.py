@@ -48,7 +48,6 @@ class ApiSettings(BaseModel):
     cors_origins: list[str] = []
     auto_place: bool = True  # a request for a model with no instance places one when it fits
     max_pending: int = Field(64, ge=1)  # requests in flight through this node; one more gets 429
-    place_timeout_s: float = Field(600.0, gt=0)  # placing a model for a request: weights copy and load
 
 
 # ---- the text side of a model ------------------------------------------------------------------------------

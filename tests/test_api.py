@@ -273,7 +273,8 @@ def test_ollama_client_chat_generate_list_show(api, greedy, tokenizer):
 
 
 @pytest.mark.timeout(300)
-def test_concurrent_requests_run_interleaved(oai):
+def test_concurrent_requests_run_interleaved(oai, api):
+    wait_for(lambda: _instance(api)["live"]["leader_requests"] == 0, 30, "earlier requests to finish")
     firsts, ends = {}, {}
 
     def one(i: int) -> None:

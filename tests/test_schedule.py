@@ -47,7 +47,9 @@ class Trace:
     max_in_flight: int = 0
 
 
-def check_step(step: FeedStep, req: LeaderRequest, active: list[LeaderRequest], prefill_step: int) -> None:
+def check_step(
+    step: FeedStep, req: LeaderRequest, active: list[LeaderRequest], prefill_step: int, last_slot: bool
+) -> None:
     """Invariants of one step, checked against the request's state just before it is sent."""
     assert not req.done and not req.released
     assert step.pos == req.fed, "positions must be contiguous: each token fed exactly once, in order"
@@ -59,8 +61,11 @@ def check_step(step: FeedStep, req: LeaderRequest, active: list[LeaderRequest], 
     else:
         assert step.n == 1, "generated tokens (resumed or new) go one at a time"
     assert step.sample == (step.pos + step.n == len(req.known))
-    if not req.decoding:
-        # Prefill runs only when no decoding stream has a step ready.
+    if last_slot:
+        # The window's last slot: a ready prefill chunk goes first, so decoding streams cannot starve it.
+        assert not req.decoding or all(next_chunk(r, prefill_step) is None for r in active if not r.decoding)
+    elif not req.decoding:
+        # Otherwise prefill runs only when no decoding stream has a step ready.
         assert all(next_chunk(r, prefill_step) is None for r in active if r.decoding)
 
 
@@ -107,7 +112,7 @@ def simulate(
             if isinstance(action, FeedStep):
                 req = everyone[action.request_id]
                 assert in_flight < window
-                check_step(action, req, active, prefill_step)
+                check_step(action, req, active, prefill_step, in_flight == window - 1)
                 tick += 1
                 apply_step_sent(req, action, tick)
                 in_flight += 1
@@ -263,3 +268,21 @@ def test_decode_before_prefill_and_round_robin() -> None:
     assert order == ["a", "b", "a", "b", "a"]
     assert action == ReleaseRequest("a")
     assert early.fed == 0
+
+
+@pytest.mark.timeout(60)
+def test_last_slot_goes_to_prefill_so_decoders_cannot_starve_it() -> None:
+    decoders = [LeaderRequest(spec=spec(f"d{i}", [3], 50, [4]), arrival=i) for i in range(3)]
+    for i, r in enumerate(decoders):
+        first = next_chunk(r, 8)
+        assert first is not None
+        apply_step_sent(r, first, i)
+        r.in_flight = 0
+    new = LeaderRequest(spec=spec("new", list(range(3, 20)), 4), arrival=9)
+    reqs = [*decoders, new]
+    # With slots to spare, decoding streams go first ...
+    step = plan(reqs, 0, 3, 8)
+    assert isinstance(step, FeedStep) and step.request_id == "d0"
+    # ... but the last slot takes the waiting prompt, however many streams are decoding.
+    step = plan(reqs, 2, 3, 8)
+    assert isinstance(step, FeedStep) and step.request_id == "new" and step.pos == 0

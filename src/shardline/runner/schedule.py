@@ -67,7 +67,11 @@ def next_chunk(req: LeaderRequest, prefill_step: int) -> FeedStep | None:
 
 
 def plan(requests: list[LeaderRequest], in_flight: int, window: int, prefill_step: int) -> Action | None:
-    """One action, or None to wait for results. Releases first, then decode steps, then prefill chunks."""
+    """One action, or None to wait for results. Releases first, then decode steps, then prefill chunks.
+
+    The window's last free slot goes to a prefill chunk when one is ready: as many decoding streams as the
+    window would otherwise keep it full between them, and a new request would wait for one to finish.
+    """
     for req in requests:
         if req.done and not req.released and req.in_flight == 0:
             return ReleaseRequest(req.spec.request_id)
@@ -76,7 +80,8 @@ def plan(requests: list[LeaderRequest], in_flight: int, window: int, prefill_ste
     # Decode steps keep streams flowing; the least recently served goes first so streams share the ring.
     decoding = sorted((r for r in requests if r.decoding), key=lambda r: (r.last_served, r.arrival))
     prefilling = sorted((r for r in requests if not r.decoding), key=lambda r: r.arrival)
-    for req in (*decoding, *prefilling):
+    order = (*prefilling, *decoding) if in_flight == window - 1 else (*decoding, *prefilling)
+    for req in order:
         step = next_chunk(req, prefill_step)
         if step is not None:
             return step

@@ -19,6 +19,7 @@ run: setup
 	$(VENV)/bin/shardline up --nodes 2
 
 test: setup
+	./scripts/install-chromium.sh
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardline
-from shardline.api import anthropic_api, cluster_api, ollama_api, openai_api
+from shardline.api import anthropic_api, cluster_api, dashboard, ollama_api, openai_api
 from shardline.api.errors import ApiError, body, flavor_of, headers
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
@@ -52,6 +52,7 @@ def build_app(service: Service) -> FastAPI:
     )
     for module in (openai_api, anthropic_api, ollama_api, cluster_api):
         app.include_router(module.router(service))
+    dashboard.mount(app)
 
     @app.get(
         "/metrics",
@@ -92,7 +93,9 @@ def build_app(service: Service) -> FastAPI:
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return _error(request, ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes"))
         key = settings.api_key
-        if key and request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:  # noqa: SIM102
+        path = request.url.path
+        open_path = path in OPEN_PATHS or dashboard.is_open(path)
+        if key and request.method != "OPTIONS" and not open_path:  # noqa: SIM102
             if not _authorised(request, key):
                 denied = ApiError(
                     401, "a valid API key is required", "authentication_error", code="invalid_api_key"

@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from shardline.api.errors import ApiError, error_responses
+from shardline.api.live import LivePoint, recent_ttft
 from shardline.api.service import Service
 from shardline.api.streaming import STREAMED_SSE, sse
 from shardline.cluster import messages as cm
@@ -32,6 +33,12 @@ class Live(BaseModel):
     running: int  # this node's requests the instance is running
     queued: int  # this node's requests waiting for it
     leader_requests: int  # what the leader holds, from every node
+    # The instance as a whole (every node's requests), from the leader's beats:
+    instance_running: int = 0
+    instance_queued: int = 0
+    tokens_per_s: float = 0.0  # over the last sample period
+    ttft_s: float | None = None  # median time to first token over the last minute
+    history: list[LivePoint] = []  # a point every few seconds, oldest first
 
 
 class InstanceState(cm.InstanceRecord):
@@ -77,7 +84,19 @@ def state_of(service: Service) -> State:
     instances = []
     for rec in view.instances if view else []:
         f = fronts.get(rec.instance)
-        live = Live(running=f.running(), queued=f.waiting(), leader_requests=f.leader_held) if f else None
+        live = None
+        if f is not None:
+            history = service.histories.points(rec.instance)
+            live = Live(
+                running=f.running(),
+                queued=f.waiting(),
+                leader_requests=f.leader_held,
+                instance_running=f.figures.running,
+                instance_queued=f.figures.waiting,
+                tokens_per_s=history[-1].tokens_per_s if history else 0.0,
+                ttft_s=recent_ttft(f.figures, time.monotonic()),
+                history=history,
+            )
         instances.append(InstanceState(**rec.model_dump(), live=live))
     nodes = [NodeState(**n.model_dump(), master=view.master == n.node_id) for n in view.nodes] if view else []
     return State(

@@ -25,6 +25,7 @@ import zenoh
 from pydantic import BaseModel, Field
 
 from shardline.api.errors import ApiError
+from shardline.api.live import SAMPLE_S, Histories
 from shardline.api.metrics import Metrics
 from shardline.api.text import TextStream
 from shardline.cluster import messages as cm
@@ -261,6 +262,7 @@ class Service:
         self._view_ready = threading.Event()
         self._closed = threading.Event()
         self._steps: dict[tuple[str, int], int] = {}
+        self.histories = Histories()
         self._missing: dict[str, float] = {}  # instance -> since when views no longer list it
         self._status_sub = client.session.declare_subscriber(
             f"{client.namespace}/i/*/*/status/*", self._on_status
@@ -456,9 +458,14 @@ class Service:
 
     def _follow(self) -> None:
         """Off zenoh's thread: fronts for every instance (live figures everywhere), events to listeners."""
+        sampled = time.monotonic()
         while not self._closed.is_set():
-            self._view_ready.wait(timeout=1.0)
+            self._view_ready.wait(timeout=max(0.0, sampled + SAMPLE_S - time.monotonic()))
             self._view_ready.clear()
+            if time.monotonic() - sampled >= SAMPLE_S:
+                sampled = time.monotonic()
+                self.histories.sample_all({i: f.figures for i, f in self.client.fronts().items()}, sampled)
+                self._broadcast("view", None)  # the sparklines move even when the cluster does not
             try:
                 view = self._views.pop()
             except IndexError:

@@ -54,6 +54,7 @@ class Master:
         self._closed = False
         self._answered: dict[str, cm.MasterReply] = {}
         self._seq = 0  # views published by this master
+        self._paused: dict[str, float] = {}  # instance -> when it stopped serving (wall clock)
         assert node.session is not None
         self._queryable = node.session.declare_queryable(node.keys.query, self._on_query)
 
@@ -235,7 +236,7 @@ class Master:
             if c is None or rec is None:
                 return
             s = c.state
-            phase = _phase(s.phase, [stage_phase(v) for v in s.views])
+            phase = _phase(s.phase, [stage_phase(v) for v in s.views], len(s.failures))
             stages = []
             for k, st in enumerate(rec.stages):
                 v = s.views[k] if k < len(s.views) else None
@@ -261,7 +262,11 @@ class Master:
                 }
             )
             self.records[instance] = new
-            events = _transitions(rec, new)
+            events, paused = _transitions(rec, new, self._paused.get(instance))
+            if paused is None:
+                self._paused.pop(instance, None)
+            else:
+                self._paused[instance] = paused
         if events:
             with self.node.lock:
                 self.node.state.events.extend(events)
@@ -349,8 +354,16 @@ class Master:
                     resources=r.resources,
                     models=sorted(r.models),
                     api=r.api,
+                    leaving=r.leaving,
                 )
                 for n, r in sorted(st.reports.items())
+            ]
+            nodes += [
+                cm.NodeSummary(
+                    node_id=n, name=r.name, endpoint=r.endpoint, alive=False, api=r.api, left_at=left_at
+                )
+                for n, (r, left_at) in sorted(st.departed.items())
+                if n not in st.reports
             ]
             events = list(st.events)[-EVENTS_IN_VIEW:]
         with self.lock:
@@ -384,12 +397,14 @@ def _unreachable(rec: cm.InstanceRecord, c: InstanceController) -> set[str]:
     return {s.node_id for k, s in enumerate(rec.stages) if k in last.suspects}
 
 
-def _phase(controller_phase: str, stage_phases: list[str]) -> cm.InstancePhase:
+def _phase(controller_phase: str, stage_phases: list[str], failures: int = 0) -> cm.InstancePhase:
+    """The instance's phase: after a failure it is recovering until it serves again (its stages show how far
+    each has come: placed, weights, loading, warming)."""
     if controller_phase == "serving":
         return "ready"
     if controller_phase == "failed":
         return "failed"
-    if controller_phase == "backoff":
+    if controller_phase == "backoff" or failures:
         return "recovering"
     for p in ("placed", "weights", "loading", "warming"):
         if p in stage_phases or (p == "placed" and "starting" in stage_phases):
@@ -397,9 +412,19 @@ def _phase(controller_phase: str, stage_phases: list[str]) -> cm.InstancePhase:
     return "loading"
 
 
-def _transitions(old: cm.InstanceRecord, new: cm.InstanceRecord) -> list[cm.ClusterEvent]:
-    now = time.time()
+def _transitions(
+    old: cm.InstanceRecord, new: cm.InstanceRecord, paused: float | None, now: float | None = None
+) -> tuple[list[cm.ClusterEvent], float | None]:
+    """The events between two records of an instance, and since when it has not served (None: serving).
+
+    A pause starts at the failure or when a ready instance stops being ready, and ends when it is ready
+    again: the `recovered` event says how long it lasted.
+    """
+    now = time.time() if now is None else now
     out = []
+    stopped = new.recoveries > old.recoveries or (old.phase == "ready" and new.phase != "ready")
+    if paused is None and stopped:
+        paused = now
     if new.recoveries > old.recoveries:
         # Name the node as well as the stage: that is what a user can act on.
         where = re.search(r"stage (\d+)", new.why)
@@ -410,14 +435,18 @@ def _transitions(old: cm.InstanceRecord, new: cm.InstanceRecord) -> list[cm.Clus
     if new.phase != old.phase:
         if new.phase == "ready":
             kind = "recovered" if new.recoveries else "ready"
+            pause_s = round(now - paused, 3) if kind == "recovered" and paused is not None else None
+            message = f"generation {new.generation}"
+            if pause_s is not None:
+                message += f", after a pause of {pause_s:.1f}s"
             out.append(
-                cm.ClusterEvent(
-                    at=now, kind=kind, instance=new.instance, message=f"generation {new.generation}"
-                )
+                cm.ClusterEvent(at=now, kind=kind, instance=new.instance, message=message, pause_s=pause_s)
             )
+            paused = None
         elif new.phase == "failed":
             out.append(cm.ClusterEvent(at=now, kind="failed", instance=new.instance, message=new.why))
-    return out
+            paused = None
+    return out, paused
 
 
 def _describe(p: object) -> str:

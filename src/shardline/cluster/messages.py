@@ -55,6 +55,7 @@ class NodeReport(Wire):
     started_at: float  # wall clock
     worker: bool = True  # False: never holds a stage (--no-worker)
     api: str = ""  # the node's HTTP API (http://host:port), "" without one
+    leaving: bool = False  # its last report: it is shutting down
     resources: Resources
     models: dict[str, LocalModel] = {}
     runners: list[RunnerInfo] = []
@@ -99,6 +100,8 @@ class NodeSummary(Wire):
     resources: Resources | None = None
     models: list[str] = []
     api: str = ""
+    leaving: bool = False  # shutting down: its instances are being moved
+    left_at: float | None = None  # not alive: when it was last seen (wall clock)
 
 
 class ClusterEvent(Wire):
@@ -107,6 +110,7 @@ class ClusterEvent(Wire):
     node: str = ""
     instance: str = ""
     message: str = ""
+    pause_s: float | None = None  # recovered: how long the instance did not serve
 
 
 class ClusterView(Wire):

@@ -106,6 +106,7 @@ class Node:
         self.changed = threading.Condition(self.lock)
         self._events: queue.Queue[cs.Event] = queue.Queue()
         self._closed = threading.Event()
+        self._leaving = False
         self._models: dict[str, cm.LocalModel] = {}
         self._models_at = 0.0
         self._fetching: dict[tuple[str, int], tuple[int, int]] = {}
@@ -171,6 +172,11 @@ class Node:
         """Leave: hand mastery on (the instances it ran live on elsewhere), stop this node's own runners."""
         if self._closed.is_set():
             return
+        self._leaving = True
+        try:  # say so first: views show the node leaving while it hands over
+            self._report_pub.put(encode(self.report()))
+        except Exception:
+            pass
         self._closed.set()
         if self.api is not None:
             self.api.close()  # requests streaming through this node end here: their clients see it
@@ -330,6 +336,7 @@ class Node:
             started_at=self.started_at,
             worker=self.config.worker,
             api=self.api.url if self.api is not None else "",
+            leaving=self._leaving,
             resources=resources(self.score, self.device, self.config.memory_limit, held),
             models=self.models() if self.config.worker else {},
             runners=self.runner_infos(),

@@ -16,6 +16,7 @@ from shardline.cluster import messages as cm
 from shardline.cluster.placement import ModelFootprint, NodeCapacity
 
 MAX_EVENTS = 200
+MAX_DEPARTED = 16  # nodes that left, kept in views as unreachable
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class ClusterState:
     tokens: set[str] = field(default_factory=set)
     heard: dict[str, float] = field(default_factory=dict)  # node -> arrival of its last report (monotonic)
     reports: dict[str, cm.NodeReport] = field(default_factory=dict)  # live nodes only: no ghosts
+    # Nodes that left, with their last report and when (wall clock): shown as unreachable, never placed on.
+    departed: dict[str, tuple[cm.NodeReport, float]] = field(default_factory=dict)
     term: int = 0
     master: str | None = None
     view: cm.ClusterView | None = None  # the newest accepted
@@ -83,6 +86,7 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
         state.tokens.add(event.node)
         if event.node not in state.alive:
             state.alive.add(event.node)
+            state.departed.pop(event.node, None)
             happened.append(cm.ClusterEvent(at=now_wall, kind="join", node=event.node))
     elif isinstance(event, Gone):
         state.tokens.discard(event.node)  # it leaves once its reports stop too (Tick)
@@ -93,6 +97,7 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
             state.heard[r.node_id] = max(state.heard.get(r.node_id, 0.0), event.at)
             if r.node_id not in state.alive:
                 state.alive.add(r.node_id)
+                state.departed.pop(r.node_id, None)
                 happened.append(cm.ClusterEvent(at=now_wall, kind="join", node=r.node_id))
         if r.term > state.term and state.master is not None and state.master not in state.alive:
             state.term = r.term  # a master we never heard of came and went: learn its term
@@ -101,7 +106,11 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
             fresh = event.now - state.heard.get(node, -1e9) < state.lease_s
             if node != state.me and node not in state.tokens and not fresh:
                 state.alive.discard(node)
-                state.reports.pop(node, None)  # gone: it comes back by joining again, never as a ghost
+                last = state.reports.pop(node, None)  # gone: it comes back by joining again, never as a ghost
+                if last is not None:
+                    state.departed[node] = (last, now_wall)
+                    while len(state.departed) > MAX_DEPARTED:
+                        del state.departed[min(state.departed, key=lambda n: state.departed[n][1])]
                 state.heard.pop(node, None)
                 happened.append(cm.ClusterEvent(at=now_wall, kind="leave", node=node))
     elif isinstance(event, ViewIn):

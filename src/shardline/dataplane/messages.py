@@ -162,6 +162,9 @@ class LeaderBeat(Wire):
     kind: Literal["leader_beat"] = "leader_beat"
     seen: dict[str, int]  # front -> last control seq processed
     requests: list[str]  # admitted and waiting
+    running: int = 0  # of those, admitted
+    tokens: int = 0  # tokens this leader has sampled since it started: rates come from differences
+    ttft_s: list[float] = []  # submit-to-first-token of the requests that got one since the last beat
 
 
 Event = Annotated[TokenEvent | Finished | RequestFailed | Admitted | LeaderBeat, Field(discriminator="kind")]

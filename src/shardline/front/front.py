@@ -24,6 +24,7 @@ from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Keys, Outbox
 from shardline.errors import ContextLengthError, EngineError, OverloadError
+from shardline.front.figures import LeaderFigures
 from shardline.front.request import RequestHandle, RequestState
 
 log = logging.getLogger("shardline.front")
@@ -74,6 +75,7 @@ class Front:
         self._faulted: set[int] = set()
         self._newest = -1  # the newest generation announced
         self.leader_held = 0  # requests the serving leader holds (admitted or waiting), from its last beat
+        self.figures = LeaderFigures()  # the instance's traffic from every front, from the leader's beats
         self._inbox = Inbox(session, name=self.name)
         self._inbox.subscribe(self.keys.events_any, m.EVENTS, "events")
         self._inbox.subscribe(self.keys.updates, m.INSTANCE, "updates")
@@ -288,6 +290,7 @@ class Front:
             with self._lock:
                 self.generation = None
                 self.leader_held = 0
+                self.figures.idle()
                 old, self._control = self._control, None
                 for h in self.requests.values():
                     h.state.admitted = False  # waits again until the next generation admits it
@@ -344,6 +347,8 @@ class Front:
         seen = beat.seen.get(self.name, -1)
         held = set(beat.requests)
         self.leader_held = len(held)
+        if self.generation is not None:
+            self.figures.take(beat, self.generation)
         for h in self.requests.values():
             s = h.state
             sent = s.sent_generation == self.generation and s.sent_seq is not None and s.sent_seq <= seen

@@ -48,6 +48,10 @@ class Leader:
         self.tick = 0
         self.arrivals = 0
         self.last_progress = 0.0  # when a result last arrived, or the ring went from idle to busy
+        # Live figures for the beat: tokens sampled, and how long new requests waited for their first one.
+        self.sampled = 0
+        self.submitted_at: dict[str, float] = {}
+        self.ttfts: deque[float] = deque(maxlen=256)
 
     # ---- warm-up and deadlines ------------------------------------------------------------------------
 
@@ -189,6 +193,8 @@ class Leader:
         elif len(self.waiting) >= self.spec.max_waiting:
             self.emit(m.RequestFailed(request_id=rid, message="leader queue full"))
         else:
+            if not spec.generated and spec.index_base == 0:  # a resumed request has had its first token
+                self.submitted_at[rid] = time.monotonic()
             self.waiting.append(spec)
             self.admit()
 
@@ -208,6 +214,7 @@ class Leader:
         for spec in self.waiting:
             if spec.request_id == request_id:
                 self.waiting.remove(spec)
+                self.submitted_at.pop(request_id, None)
                 self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=spec.index_base))
                 return
         req = self.requests.get(request_id)
@@ -265,6 +272,9 @@ class Leader:
         if res.token is None or req.done:
             return
         reason = schedule.apply_token(req, res.token)
+        self.sampled += 1
+        if (t0 := self.submitted_at.pop(f.request_id, None)) is not None:
+            self.ttfts.append(time.monotonic() - t0)
         if reason != "stop" and not self.r.faults.take_drop("drop_token", "decode", self.worker.steps):
             self.emit(
                 m.TokenEvent(
@@ -284,6 +294,7 @@ class Leader:
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id)
         req.released = True
+        self.submitted_at.pop(request_id, None)
         self.reserved.pop(request_id, None)
         self.worker.release(request_id)
         if self.r.downstream is not None:
@@ -292,8 +303,16 @@ class Leader:
 
     def beat(self) -> None:
         """From the heartbeat thread: snapshots of dicts and deques are atomic under the GIL."""
-        held = [*list(self.requests), *(s.request_id for s in list(self.waiting))]
-        self.emit(m.LeaderBeat(seen=dict(self.seen), requests=held))
+        running = list(self.requests)
+        held = [*running, *(s.request_id for s in list(self.waiting))]
+        ttfts = []
+        while self.ttfts:
+            ttfts.append(self.ttfts.popleft())
+        self.emit(
+            m.LeaderBeat(
+                seen=dict(self.seen), requests=held, running=len(running), tokens=self.sampled, ttft_s=ttfts
+            )
+        )
 
     def emit(self, event: Any, tensor: Any = None) -> None:
         assert self.r.events is not None

@@ -51,7 +51,9 @@ export function renderNodes(container, state) {
   });
 }
 
-const PHASE_TONE = { ready: "ok", recovering: "warn", failed: "bad", weights: "busy", loading: "busy", warming: "busy", placed: "busy" };
+const PHASE_LABEL = { weights: "copying weights", warming: "warming up" };
+const phaseLabel = (p) => PHASE_LABEL[p] || p;
+const PHASE_TONE = { ready: "ok", recovering: "warn", failed: "bad", weights: "busy", loading: "busy", warming: "busy", placed: "busy", starting: "busy" };
 
 function stageBand(st, k, total) {
   const copying = st.phase === "weights" && st.weights_total > 0;
@@ -62,11 +64,11 @@ function stageBand(st, k, total) {
       class: "band",
       "data-stage": k,
       style: `--c:${stageColor(k)};flex-grow:${st.end - st.start}`,
-      title: `stage ${k}: ${layers(st.start, st.end)} of ${total}, ${st.phase}`,
+      title: `stage ${k}: ${layers(st.start, st.end)} of ${total}, ${phaseLabel(st.phase)}`,
     },
     h("span", { class: "band-name" }, `stage ${k}`),
     h("span", { class: "band-range", "data-role": "range" }, layers(st.start, st.end)),
-    h("span", { class: `band-phase ${PHASE_TONE[st.phase] || ""}` }, copying ? `copying weights ${pct}%` : st.phase),
+    h("span", { class: `band-phase ${PHASE_TONE[st.phase] || ""}` }, copying ? `copying weights ${pct}%` : phaseLabel(st.phase)),
     copying ? h("span", { class: "progress", style: `width:${pct}%` }) : null,
   );
 }
@@ -151,7 +153,7 @@ export function renderInstances(container, state, { onRemove }) {
         "header",
         {},
         h("strong", {}, inst.model),
-        h("span", { class: `badge ${PHASE_TONE[inst.phase] || ""}`, "data-role": "phase" }, inst.phase),
+        h("span", { class: `badge ${PHASE_TONE[inst.phase] || ""}`, "data-role": "phase" }, phaseLabel(inst.phase)),
         h("span", { class: "small" }, `${inst.instance} · generation ${inst.generation} · ${inst.recoveries} recover${inst.recoveries === 1 ? "y" : "ies"}`),
         removeButton(inst.instance, onRemove),
       ),

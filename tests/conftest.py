@@ -3,6 +3,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,27 @@ def model_dir() -> Path:
     from shardline.models.registry import resolve_model
 
     return resolve_model(None, progress=False)
+
+
+@contextmanager
+def serving_cluster(
+    root: Path, ids: list[str], model_dir: Path, node_extra: dict[str, list[str]] | None = None
+) -> Iterator[Any]:
+    """A LocalCluster of the default model whose nodes serve HTTP; on exit every runner must be gone."""
+    from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
+
+    c = LocalCluster(root, ids, model_dir.parent)
+    c.runners = dict(MODEL_RUNNERS)
+    c.api = True
+    c.extra = ["--prefill-step", "64"]
+    c.node_extra = node_extra or {}
+    c.start()
+    try:
+        yield c
+    finally:
+        pids = c.all_pids()
+        c.close()
+        assert_no_runner_left(pids)
 
 
 @pytest.fixture(scope="session")

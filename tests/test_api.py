@@ -19,9 +19,9 @@ import ollama
 import openai
 import psutil
 import pytest
-from conftest import assert_no_runner_left, wait_for
+from conftest import serving_cluster, wait_for
 
-from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
+from shardline.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -32,21 +32,12 @@ ORIGIN = "http://dashboard.example"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("api"), ["a1", "a2"], model_dir.parent)
-    c.runners = dict(MODEL_RUNNERS)
-    c.api = True
-    c.extra = ["--prefill-step", "64"]
-    c.node_extra = {"a2": ["--api-key", KEY, "--max-pending", "3", "--cors-origin", ORIGIN]}
-    c.start()
-    try:
+    extra = {"a2": ["--api-key", KEY, "--max-pending", "3", "--cors-origin", ORIGIN]}
+    with serving_cluster(tmp_path_factory.mktemp("api"), ["a1", "a2"], model_dir, extra) as c:
         client = c.client("a1")
         client.wait(lambda v: sum(n.alive for n in v.nodes) == 2, 60, "2 nodes")
         wait_for(lambda: _get(c.nodes["a1"].api, "/health").status_code == 200, 30, "a1's API")
         yield c
-    finally:
-        pids = c.all_pids()
-        c.close()
-        assert_no_runner_left(pids)
 
 
 def _get(api: str, path: str, **kw: Any) -> httpx.Response:

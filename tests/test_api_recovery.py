@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import assert_no_runner_left, wait_for
+from conftest import serving_cluster, wait_for
 
-from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
+from shardline.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -20,18 +20,9 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture
 def cluster(tmp_path, model_dir) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path, ["k1", "k2", "k3"], model_dir.parent)
-    c.runners = dict(MODEL_RUNNERS)
-    c.api = True
-    c.extra = ["--prefill-step", "64"]
-    c.node_extra = {"k1": ["--no-worker"]}  # the API's node holds no stage: the kill never takes the front
-    c.start()
-    try:
+    # The API's node holds no stage: the kill never takes the front.
+    with serving_cluster(tmp_path, ["k1", "k2", "k3"], model_dir, {"k1": ["--no-worker"]}) as c:
         yield c
-    finally:
-        pids = c.all_pids()
-        c.close()
-        assert_no_runner_left(pids)
 
 
 def _state(api: str) -> dict:

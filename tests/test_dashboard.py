@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import assert_no_runner_left, wait_for
+from conftest import serving_cluster, wait_for
 from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
 
-from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster, free_port
+from shardline.testing.cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -43,24 +43,15 @@ def _instance(api: str) -> dict[str, Any] | None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_dir) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("dash"), ["a1", "a2"], model_dir.parent)
-    c.runners = dict(MODEL_RUNNERS)
-    c.api = True
-    c.extra = ["--prefill-step", "64"]
     # a2 keeps its HTTP port across a restart, so a page open on it can reconnect.
-    c.node_extra = {"a2": ["--api-key", KEY, "--api-port", str(free_port())]}
-    c.start()
-    try:
+    extra = {"a2": ["--api-key", KEY, "--api-port", str(free_port())]}
+    with serving_cluster(tmp_path_factory.mktemp("dash"), ["a1", "a2"], model_dir, extra) as c:
         api = c.nodes["a1"].api
         wait_for(lambda: sum(n["alive"] for n in _state(api).get("nodes", [])) == 2, 60, "2 nodes")
         placed = httpx.post(api + "/instances", json={"model": MODEL}, timeout=120)
         assert placed.status_code == 201, placed.text
         wait_for(lambda: (i := _instance(api)) and i["phase"] == "ready", 180, "the instance ready")
         yield c
-    finally:
-        pids = c.all_pids()
-        c.close()
-        assert_no_runner_left(pids)
 
 
 @pytest.fixture(scope="module")

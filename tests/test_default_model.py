@@ -88,14 +88,21 @@ def test_cli_ctrl_c_exits_without_leftovers(default_model):
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # On a hang, SIGABRT makes faulthandler print every thread's stack: the failure says where.
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
     )
     # The first streamed byte proves the runners are up and decoding.
     assert proc.stdout.read(1)
     children = _runner_children(proc.pid)
     assert children, "no runner processes under the CLI"
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the CLI did not exit within 60s of Ctrl-C; its threads:\n{err.decode()[-20000:]}")
+    assert code == 130
     alive = [
         p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
     ]

@@ -1,5 +1,5 @@
 // The chat panel: streams an answer from the chosen model; Stop closes the stream, which cancels the request.
-import { h, seconds } from "./dom.js";
+import { h, seconds, setOptions } from "./dom.js";
 import { NeedsKey, streamEvents } from "./net.js";
 
 export class Chat {
@@ -35,11 +35,7 @@ export class Chat {
   }
 
   setModels(models) {
-    const have = [...this.model.options].map((o) => o.value);
-    if (JSON.stringify(have) === JSON.stringify(models)) return;
-    const chosen = this.model.value;
-    this.model.replaceChildren(...models.map((m) => h("option", { value: m }, m)));
-    if (models.includes(chosen)) this.model.value = chosen;
+    setOptions(this.model, models);
     this.send.disabled = !models.length || this.abort !== null;
   }
 

@@ -55,3 +55,12 @@ export function swap(container, key, build) {
   container.dataset.key = key;
   container.replaceChildren(...[build()].flat());
 }
+
+// A select's options, replaced only when the list changed; the chosen one stays chosen while it is listed.
+export function setOptions(select, values) {
+  const have = [...select.options].map((o) => o.value);
+  if (JSON.stringify(have) === JSON.stringify(values)) return;
+  const chosen = select.value;
+  select.replaceChildren(...values.map((v) => h("option", { value: v }, v)));
+  if (values.includes(chosen)) select.value = chosen;
+}

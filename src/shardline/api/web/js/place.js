@@ -1,5 +1,5 @@
 // Placing a model: a preview first (the stages, or the numbers why it does not fit), then Place.
-import { bytes, h, layers } from "./dom.js";
+import { bytes, h, layers, setOptions } from "./dom.js";
 import { call, NeedsKey } from "./net.js";
 import { stageColor } from "./cluster.js";
 
@@ -22,11 +22,7 @@ export class Placer {
   }
 
   setModels(models) {
-    const have = [...this.model.options].map((o) => o.value);
-    if (JSON.stringify(have) === JSON.stringify(models)) return;
-    const chosen = this.model.value;
-    this.model.replaceChildren(...models.map((m) => h("option", { value: m }, m)));
-    if (models.includes(chosen)) this.model.value = chosen;
+    setOptions(this.model, models);
   }
 
   request() {

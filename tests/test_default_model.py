@@ -90,6 +90,9 @@ def test_cli_ctrl_c_exits_without_leftovers(default_model):
         stderr=subprocess.PIPE,
         # On a hang, SIGABRT makes faulthandler print every thread's stack: the failure says where.
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+        # As from a terminal: a test run started in the background inherits SIGINT ignored, and Python
+        # then never turns it into KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # The first streamed byte proves the runners are up and decoding.
     assert proc.stdout.read(1)

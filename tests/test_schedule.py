@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from shardline.dataplane.messages import RequestSpec
 from shardline.runner.schedule import (
+    FeedBatch,
     FeedStep,
     LeaderRequest,
     ReleaseRequest,
@@ -45,10 +46,16 @@ class Trace:
     releases: Counter[str] = field(default_factory=Counter)
     cancelled: set[str] = field(default_factory=set)
     max_in_flight: int = 0
+    max_batch: int = 0
 
 
 def check_step(
-    step: FeedStep, req: LeaderRequest, active: list[LeaderRequest], prefill_step: int, last_slot: bool
+    step: FeedStep,
+    req: LeaderRequest,
+    active: list[LeaderRequest],
+    prefill_step: int,
+    last_slot: bool,
+    batches_full: bool = False,
 ) -> None:
     """Invariants of one step, checked against the request's state just before it is sent."""
     assert not req.done and not req.released
@@ -64,9 +71,27 @@ def check_step(
     if last_slot:
         # The window's last slot: a ready prefill chunk goes first, so decoding streams cannot starve it.
         assert not req.decoding or all(next_chunk(r, prefill_step) is None for r in active if not r.decoding)
-    elif not req.decoding:
-        # Otherwise prefill runs only when no decoding stream has a step ready.
+    elif not req.decoding and not batches_full:
+        # Otherwise prefill runs only when no decoding stream has a step ready (or may go: every stage
+        # has a decode batch already, and ready rows wait to join the next).
         assert all(next_chunk(r, prefill_step) is None for r in active if r.decoding)
+    if batches_full:
+        assert not req.decoding, "no decode step while every stage has a batch"
+
+
+def check_batch(batch: FeedBatch, active: list[LeaderRequest], stages: int, max_batch: int) -> None:
+    """A batch: decode positions only, each request once, no bigger than its share of the streams."""
+    ids = [r.request_id for r in batch.rows]
+    assert len(set(ids)) == len(ids) >= 1
+    assert all(r.n == 1 for r in batch.rows)
+    decoding = sum(r.decoding for r in active)
+    assert len(ids) <= min(max_batch, -(-decoding // stages))
+    # The least recently served go first: a stream left out was served more recently than every row.
+    chosen = set(ids)
+    ready = [r for r in active if r.decoding and next_chunk(r, 1) is not None]
+    served = [r.last_served for r in ready if r.spec.request_id in chosen]
+    left = [r.last_served for r in ready if r.spec.request_id not in chosen]
+    assert not left or not served or max(served) <= min(left)
 
 
 def simulate(
@@ -76,11 +101,13 @@ def simulate(
     rnd: random.Random,
     deliver_p: float,
     cancel_p: float,
+    stages: int = 1,
+    max_batch: int = 1,
 ) -> tuple[dict[str, LeaderRequest], Trace]:
     pending = deque(specs)
     active: list[LeaderRequest] = []
     everyone: dict[str, LeaderRequest] = {}
-    ring: deque[FeedStep] = deque()  # results return in the order steps were sent
+    ring: deque[FeedBatch | tuple[FeedStep]] = deque()  # results return in the order steps were sent
     in_flight = tick = arrivals = 0
     next_token = 1000
     trace = Trace()
@@ -101,7 +128,8 @@ def simulate(
                 trace.cancelled.add(victim.spec.request_id)
         deliver = bool(ring) and rnd.random() < deliver_p
         if not deliver:
-            action = plan(active, in_flight, window, prefill_step)
+            batches = sum(1 for rows in ring if isinstance(rows, FeedBatch))
+            action = plan(active, in_flight, window, prefill_step, stages, max_batch, batches)
             if isinstance(action, ReleaseRequest):
                 req = everyone[action.request_id]
                 assert req in active and req.done and req.in_flight == 0
@@ -109,17 +137,31 @@ def simulate(
                 req.released = True
                 trace.releases[action.request_id] += 1
                 continue
-            if isinstance(action, FeedStep):
-                req = everyone[action.request_id]
+            if isinstance(action, FeedStep | FeedBatch):
+                rows = action.rows if isinstance(action, FeedBatch) else (action,)
                 assert in_flight < window
-                check_step(action, req, active, prefill_step, in_flight == window - 1)
-                tick += 1
-                apply_step_sent(req, action, tick)
+                if isinstance(action, FeedBatch):
+                    check_batch(action, active, stages, max_batch)
+                for row in rows:
+                    req = everyone[row.request_id]
+                    check_step(
+                        row,
+                        req,
+                        active,
+                        prefill_step,
+                        in_flight == window - 1,
+                        max_batch > 1 and batches >= stages,
+                    )
+                    tick += 1
+                    apply_step_sent(req, row, tick)
+                    trace.steps[row.request_id].append(row)
+                    trace.fed_tokens[row.request_id] += req.known[row.pos : row.pos + row.n]
                 in_flight += 1
                 trace.max_in_flight = max(trace.max_in_flight, in_flight)
-                trace.steps[action.request_id].append(action)
-                trace.fed_tokens[action.request_id] += req.known[action.pos : action.pos + action.n]
-                ring.append(action)
+                trace.max_batch = max(trace.max_batch, len(rows))
+                if isinstance(action, FeedBatch):
+                    assert batches < stages  # one batch per stage in flight, at most
+                ring.append(action if isinstance(action, FeedBatch) else rows)
                 continue
             assert action is None
             if not ring:
@@ -127,14 +169,15 @@ def simulate(
                     continue
                 break  # nothing to send, nothing in flight, nobody waiting: the leader is idle
             deliver = True
-        step = ring.popleft()
         in_flight -= 1
-        req = everyone[step.request_id]
-        req.in_flight -= 1
-        assert req.in_flight >= 0
-        if step.sample and not req.done:
-            apply_token(req, next_token)
-            next_token += 1
+        out = ring.popleft()
+        for step in out.rows if isinstance(out, FeedBatch) else out:
+            req = everyone[step.request_id]
+            req.in_flight -= 1
+            assert req.in_flight >= 0
+            if step.sample and not req.done:
+                apply_token(req, next_token)
+                next_token += 1
     else:
         pytest.fail("simulated leader did not terminate")
     assert not active and not ring and in_flight == 0
@@ -162,14 +205,31 @@ def request_specs(draw: st.DrawFn) -> list[RequestSpec]:
     seed=st.integers(0, 2**32 - 1),
     deliver_p=st.floats(0.05, 0.95),
     cancels=st.booleans(),
+    stages=st.integers(1, 3),
+    max_batch=st.integers(1, 4),
 )
 def test_simulated_leader(
-    specs: list[RequestSpec], prefill_step: int, window: int, seed: int, deliver_p: float, cancels: bool
+    specs: list[RequestSpec],
+    prefill_step: int,
+    window: int,
+    seed: int,
+    deliver_p: float,
+    cancels: bool,
+    stages: int,
+    max_batch: int,
 ) -> None:
     reqs, trace = simulate(
-        specs, prefill_step, window, random.Random(seed), deliver_p, 0.02 if cancels else 0.0
+        specs,
+        prefill_step,
+        window,
+        random.Random(seed),
+        deliver_p,
+        0.02 if cancels else 0.0,
+        stages,
+        max_batch,
     )
     assert trace.max_in_flight <= window
+    assert trace.max_batch <= max_batch
     for s in specs:
         rid = s.request_id
         req = reqs[rid]

@@ -58,11 +58,18 @@ def _secret_file(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from shardline.cli import _positive
     from shardline.cluster.node import Node, NodeConfig, RunnerSettings
     from shardline.cluster.resources import parse_size
 
+    for value, flag in (
+        (args.prefill_step, "--prefill-step"),
+        (args.max_queue, "--max-queue"),
+        (args.max_batch, "--max-batch"),
+    ):
+        _positive(value, flag)
     runners = RunnerSettings.model_validate_json(args.runner_settings or "{}").model_copy(
-        update={"prefill_step": args.prefill_step, "max_queue": args.max_queue}
+        update={"prefill_step": args.prefill_step, "max_queue": args.max_queue, "max_batch": args.max_batch}
     )
     config = NodeConfig(
         namespace=args.namespace,
@@ -272,6 +279,9 @@ def add_commands(sub: Any) -> None:
     node.add_argument("--threads", type=int, default=0, help="threads per runner (0: cores / stages)")
     node.add_argument("--prefill-step", type=int, default=256)
     node.add_argument("--max-queue", type=int, default=256)
+    node.add_argument(
+        "--max-batch", type=int, default=16, help="decode positions of different requests per step (1: none)"
+    )
     node.add_argument("--runner-settings", default=None, help="JSON: deadlines, heartbeats, restart budget")
     node.add_argument("--lease-ms", type=int, default=2000, help="a node silent this long has left")
     node.add_argument(

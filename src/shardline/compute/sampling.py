@@ -79,7 +79,7 @@ def sample(
     logits = apply_output_penalties(logits, output or [], params.presence_penalty, params.frequency_penalty)
     logprobs = logits - mx.logsumexp(logits)
     if params.greedy:
-        token = int(mx.argmax(logits).item())
+        chosen = mx.argmax(logits)
     else:
         scaled = logits / params.temperature
         if params.top_k and params.top_k < scaled.shape[0]:
@@ -96,9 +96,11 @@ def sample(
             keep = mx.zeros_like(keep_sorted)
             keep[order] = keep_sorted
             scaled = mx.where(keep, scaled, -math.inf)
-        token = int(mx.random.categorical(scaled, key=_key(params.seed, position)).item())
-    top: list[tuple[int, float]] = []
-    if params.top_logprobs:
-        idx = mx.argsort(-logprobs)[: params.top_logprobs]
-        top = [(int(i), float(logprobs[i].item())) for i in idx.tolist()]
-    return Sampled(token=token, logprob=float(logprobs[token].item()), top_logprobs=top)
+        chosen = mx.random.categorical(scaled, key=_key(params.seed, position))
+    # One evaluation for the token, its log-probability and the top ones: each sync costs a decode step.
+    picked = logprobs[chosen]
+    idx = mx.argsort(-logprobs)[: params.top_logprobs] if params.top_logprobs else mx.array([], mx.uint32)
+    top_lp = logprobs[idx]
+    mx.eval(chosen, picked, idx, top_lp)
+    top = list(zip(idx.tolist(), top_lp.tolist(), strict=True))
+    return Sampled(token=int(chosen.item()), logprob=float(picked.item()), top_logprobs=top)

@@ -15,6 +15,7 @@ from mlx_lm.utils import load_config, load_model
 
 from shardline.cluster.weights import SHARD_MANIFEST, missing_tensors
 from shardline.compute import attention
+from shardline.compute.batched import decode_block
 from shardline.models.errors import CorruptModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -96,6 +97,19 @@ class Shard:
         h = self.norm(h[:, -1, :])
         logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
         return logits[0].astype(mx.float32)
+
+    def forward_rows(self, x: mx.array, caches: list[list[kv_cache.KVCache]]) -> mx.array:
+        """One decode position for each of several requests: x is (rows, 1) token ids on the first stage,
+        (rows, 1, D) hidden states elsewhere; row i continues caches[i]. Returns (rows, 1, D), or on the last
+        stage each row's logits (rows, vocab)."""
+        h = self.embed(x) if self.range.is_first else x
+        for j, block in enumerate(self.layers):
+            h = decode_block(block, h, [c[j] for c in caches])
+        if not self.range.is_last:
+            return h
+        h = self.norm(h[:, -1, :])
+        logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
+        return logits.astype(mx.float32)
 
     def weight_bytes(self) -> int:
         from mlx.utils import tree_flatten

@@ -16,6 +16,7 @@ class RunSettings(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     prefill_step: int = Field(256, ge=1)
+    max_batch: int = Field(16, ge=1)  # decode positions of different requests batched in one step
     # A step may take deadline_slack x its estimate (from its size and the stage's measured speed, seeded by
     # warm-up), within [step_deadline_floor, step_timeout]. The runner watchdog waits watchdog_factor x that.
     step_timeout: float = Field(60.0, gt=0)
@@ -49,6 +50,7 @@ class RunSettings(BaseModel):
         """The RunnerSpec fields these settings decide."""
         return {
             "prefill_step": self.prefill_step,
+            "max_batch": self.max_batch,
             "step_deadline_floor": self.step_deadline_floor,
             "step_deadline_ceiling": self.step_timeout,
             "deadline_slack": self.deadline_slack,

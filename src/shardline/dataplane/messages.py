@@ -43,8 +43,24 @@ class StepTime(Wire):
 # ---- ring: stage to stage, in order -------------------------------------------------------------------
 
 
+class Row(Wire):
+    """One request's position in a batched decode step."""
+
+    request_id: str
+    pos: int
+    sample: bool = True
+    sampling: SamplingParams | None = None
+    context: list[int] = []
+    output: list[int] = []
+    want_logits: bool = False
+
+
 class Step(Wire):
-    """Run n positions of one request through a stage: token ids into stage 0, hidden states elsewhere."""
+    """Run n positions of one request through a stage: token ids into stage 0, hidden states elsewhere.
+
+    A batched decode step (`rows` given; request_id is BATCH_ID, n the number of rows) runs one position
+    of each row's request, each with its own KV cache and position: tensors are (rows, 1[, hidden]).
+    """
 
     kind: Literal["step"] = "step"
     seq: int
@@ -59,10 +75,28 @@ class Step(Wire):
     reserve: int = 0  # on a request's first step: positions to allocate the KV cache for at once
     trace: list[float] = []  # compute seconds of each stage so far: the leader learns every stage's speed
     tensor: TensorMeta | None = None
+    rows: list[Row] = []
+
+    @property
+    def keys(self) -> int:
+        """The most keys any of its positions attends to: what its attention costs scale with."""
+        return max(r.pos for r in self.rows) + 1 if self.rows else self.pos + self.n
+
+
+BATCH_ID = "\x00batch"  # the request id of a batched step: no front sends control characters
+
+
+class RowResult(Wire):
+    """A token sampled for one request (with its log-probabilities), or none when the step only fed."""
+
+    request_id: str
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = []
 
 
 class StepResult(Wire):
-    """Last stage -> leader: a step finished; with a token when it sampled."""
+    """Last stage -> leader: a step finished; with a token when it sampled (one per row when batched)."""
 
     kind: Literal["result"] = "result"
     seq: int
@@ -71,7 +105,8 @@ class StepResult(Wire):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = []
     trace: list[float] = []
-    tensor: TensorMeta | None = None  # the logits, when asked for
+    tensor: TensorMeta | None = None  # the logits, when asked for (every row's, when batched)
+    rows: list[RowResult] = []
 
 
 class Release(Wire):

@@ -43,6 +43,9 @@ class EngineConfig(RunSettings):
     # beyond it wait, up to max_queue of them, and one more is refused with OverloadError.
     kv_budget_bytes: int = Field(0, ge=0)
     score_budget: int = Field(0, ge=0)
+    # Prompts may be this long (0: the model's trained context). Past it the model computes but its output
+    # means little: for benchmarks of memory and speed at lengths the model was not trained for.
+    context_length: int = Field(0, ge=0)
     pin_cpus: bool = False
     host: str = "127.0.0.1"
     log_dir: Path | None = None
@@ -82,7 +85,8 @@ class Engine:
         self.config = config
         self.model_config = read_model_config(config.model_dir)
         self.layers = int(self.model_config.get("num_hidden_layers") or 0)
-        self.context_length = int(self.model_config.get("max_position_embeddings") or 2**31)
+        trained = int(self.model_config.get("max_position_embeddings") or 2**31)
+        self.context_length = config.context_length or trained
         self.instance = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
         self._closed = False

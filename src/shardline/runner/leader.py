@@ -22,11 +22,15 @@ if TYPE_CHECKING:
     from shardline.runner.process import Runner
 
 
+TOKEN_FIELDS = {"token", "logprob", "top_logprobs"}
+
+
 @dataclass
 class InFlight:
-    request_id: str
+    request_id: str  # BATCH_ID for a batched step
     n: int
     context: int
+    rows: tuple[str, ...] = ()  # a batched step's requests, in row order
 
 
 class Leader:
@@ -148,12 +152,20 @@ class Leader:
         window = self.spec.in_flight_window
         while True:
             action = schedule.plan(
-                list(self.requests.values()), len(self.in_flight), window, self.spec.prefill_step
+                list(self.requests.values()),
+                len(self.in_flight),
+                window,
+                self.spec.prefill_step,
+                self.spec.stages,
+                self.spec.max_batch,
+                sum(1 for f in self.in_flight.values() if f.rows),
             )
             if action is None:
                 return
             if isinstance(action, schedule.ReleaseRequest):
                 self.release(action.request_id)
+            elif isinstance(action, schedule.FeedBatch):
+                self.feed_rows(action.rows)
             else:
                 self.feed(action)
             self.drain()
@@ -223,32 +235,57 @@ class Leader:
             tokens = req.spec.index_base + req.generated
             self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=tokens))
 
-    def feed(self, step: schedule.FeedStep) -> None:
+    def _sent(self, step: schedule.FeedStep) -> m.Row:
+        """Mark one request's step as sent; what the last stage needs to sample it."""
         req = self.requests[step.request_id]
         self.tick += 1
         schedule.apply_step_sent(req, step, self.tick)
-        self.seq += 1
         sp = req.spec.sampling
+        if not step.sample:
+            return m.Row(request_id=step.request_id, pos=step.pos, sample=False)
         context = req.known[-sp.repetition_context :] if sp.repetition_penalty != 1.0 else []
         # Generated tokens start where the original prompt ended (a fast resume folded some into `prompt`).
         output = req.known[req.prompt_len - req.spec.index_base :] if sp.penalises_output else []
+        return m.Row(
+            request_id=step.request_id,
+            pos=step.pos,
+            sampling=sp,
+            context=context,
+            output=output,
+            want_logits=req.spec.want_logits,
+        )
+
+    def feed(self, step: schedule.FeedStep) -> None:
+        row = self._sent(step)
+        self.seq += 1
         msg = m.Step(
             seq=self.seq,
             request_id=step.request_id,
             pos=step.pos,
             n=step.n,
             sample=step.sample,
-            sampling=sp if step.sample else None,
-            context=context if step.sample else [],
-            output=output if step.sample else [],
-            want_logits=req.spec.want_logits and step.sample,
-            reserve=len(req.known) + 1 if step.pos == 0 else 0,
+            sampling=row.sampling,
+            context=row.context,
+            output=row.output,
+            want_logits=row.want_logits,
+            reserve=len(self.requests[step.request_id].known) + 1 if step.pos == 0 else 0,
         )
-        tokens = mx.array([req.known[step.pos : step.pos + step.n]], dtype=mx.int32)
+        tokens = self.requests[step.request_id].known[step.pos : step.pos + step.n]
+        self._send(msg, InFlight(step.request_id, step.n, step.pos + step.n), [tokens])
+
+    def feed_rows(self, steps: tuple[schedule.FeedStep, ...]) -> None:
+        rows = [self._sent(step) for step in steps]
+        self.seq += 1
+        msg = m.Step(seq=self.seq, request_id=m.BATCH_ID, pos=0, n=len(rows), sample=True, rows=rows)
+        ids = tuple(r.request_id for r in rows)
+        tokens = [self.requests[s.request_id].known[s.pos : s.pos + 1] for s in steps]
+        self._send(msg, InFlight(m.BATCH_ID, len(rows), msg.keys, ids), tokens)
+
+    def _send(self, msg: m.Step, flight: InFlight, tokens: list[list[int]]) -> None:
         if not self.in_flight:
             self.last_progress = time.monotonic()
-        self.in_flight[self.seq] = InFlight(step.request_id, step.n, step.pos + step.n)
-        out, tensor = self.r.compute(msg, tokens)
+        self.in_flight[self.seq] = flight
+        out, tensor = self.r.compute(msg, mx.array(tokens, dtype=mx.int32))
         if self.r.downstream is None:  # a single stage is its own last stage
             self.on_result(out, None, tensor)
         else:
@@ -267,18 +304,28 @@ class Leader:
         del self.in_flight[res.seq]
         self.last_progress = time.monotonic()
         self._observe(f, res.trace)
-        req = self.requests[f.request_id]
+        if not f.rows:
+            self._took(m.RowResult(request_id=f.request_id, **res.model_dump(include=TOKEN_FIELDS)), logits)
+            return
+        if [r.request_id for r in res.rows] != list(f.rows):
+            raise ProtocolError(f"result of batched step {res.seq} does not match its rows")
+        for i, row in enumerate(res.rows):
+            self._took(row, logits[i] if logits is not None else None)
+
+    def _took(self, res: m.RowResult, logits: Any) -> None:
+        """One request's share of a result: its token, if the step sampled one and it still wants it."""
+        req = self.requests[res.request_id]
         req.in_flight -= 1
         if res.token is None or req.done:
             return
         reason = schedule.apply_token(req, res.token)
         self.sampled += 1
-        if (t0 := self.submitted_at.pop(f.request_id, None)) is not None:
+        if (t0 := self.submitted_at.pop(res.request_id, None)) is not None:
             self.ttfts.append(time.monotonic() - t0)
         if reason != "stop" and not self.r.faults.take_drop("drop_token", "decode", self.worker.steps):
             self.emit(
                 m.TokenEvent(
-                    request_id=f.request_id,
+                    request_id=res.request_id,
                     index=req.spec.index_base + req.generated - 1,
                     token=res.token,
                     logprob=res.logprob or 0.0,
@@ -289,7 +336,7 @@ class Leader:
             )
         if reason is not None:
             tokens = req.spec.index_base + req.generated
-            self.emit(m.Finished(request_id=f.request_id, reason=reason, tokens=tokens))
+            self.emit(m.Finished(request_id=res.request_id, reason=reason, tokens=tokens))
 
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id)

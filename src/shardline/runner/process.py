@@ -42,7 +42,7 @@ class RejoinRequested(Exception):
 
 
 def step_phase(step: m.Step) -> str:
-    return "decode" if step.n == 1 and step.pos > 0 else "prefill"
+    return "decode" if step.rows or (step.n == 1 and step.pos > 0) else "prefill"
 
 
 class Runner:
@@ -220,7 +220,7 @@ class Runner:
     def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]:
         """Run one step through this stage; the outgoing message carries this stage's time in its trace."""
         assert self.worker is not None
-        context = step.pos + step.n
+        context = step.keys
         started = time.monotonic()
         self.busy = (started, step.n, context)
         phase = step_phase(step)

@@ -49,11 +49,18 @@ class FeedStep:
 
 
 @dataclass(frozen=True)
+class FeedBatch:
+    """One decode position of each of several requests, in one step: the stage reads its weights once."""
+
+    rows: tuple[FeedStep, ...]
+
+
+@dataclass(frozen=True)
 class ReleaseRequest:
     request_id: str
 
 
-Action = FeedStep | ReleaseRequest
+Action = FeedStep | FeedBatch | ReleaseRequest
 
 
 def next_chunk(req: LeaderRequest, prefill_step: int) -> FeedStep | None:
@@ -66,26 +73,49 @@ def next_chunk(req: LeaderRequest, prefill_step: int) -> FeedStep | None:
     return FeedStep(req.spec.request_id, req.fed, n, sample=req.fed + n == len(req.known))
 
 
-def plan(requests: list[LeaderRequest], in_flight: int, window: int, prefill_step: int) -> Action | None:
+def plan(
+    requests: list[LeaderRequest],
+    in_flight: int,
+    window: int,
+    prefill_step: int,
+    stages: int = 1,
+    max_batch: int = 1,
+    batches_in_flight: int = 0,
+) -> Action | None:
     """One action, or None to wait for results. Releases first, then decode steps, then prefill chunks.
 
-    The window's last free slot goes to a prefill chunk when one is ready: as many decoding streams as the
-    window would otherwise keep it full between them, and a new request would wait for one to finish.
+    Decoding streams go in micro-batches of up to ceil(decoding / stages) rows (at most max_batch), at
+    most one per stage in flight: every stage has one to work on, and rows that come back while all are
+    out wait for the next to return and join it, so batches that started small merge. The window's last
+    free slot goes to a prefill chunk when one is ready: decoding streams would otherwise keep the window
+    full between them, and a new request would wait for one to finish.
     """
     for req in requests:
         if req.done and not req.released and req.in_flight == 0:
             return ReleaseRequest(req.spec.request_id)
     if in_flight >= window:
         return None
-    # Decode steps keep streams flowing; the least recently served goes first so streams share the ring.
+    # The least recently served go first, so streams share the ring.
     decoding = sorted((r for r in requests if r.decoding), key=lambda r: (r.last_served, r.arrival))
-    prefilling = sorted((r for r in requests if not r.decoding), key=lambda r: r.arrival)
-    order = (*prefilling, *decoding) if in_flight == window - 1 else (*decoding, *prefilling)
-    for req in order:
-        step = next_chunk(req, prefill_step)
-        if step is not None:
-            return step
-    return None
+    ready = [step for r in decoding if (step := next_chunk(r, prefill_step)) is not None]
+    prefill = next(
+        (
+            step
+            for r in sorted((r for r in requests if not r.decoding), key=lambda r: r.arrival)
+            if (step := next_chunk(r, prefill_step)) is not None
+        ),
+        None,
+    )
+    if prefill is not None and (not ready or in_flight == window - 1):
+        return prefill
+    if not ready:
+        return None
+    if max_batch <= 1:
+        return ready[0]
+    if batches_in_flight >= stages:
+        return prefill
+    size = min(max_batch, -(-len(decoding) // max(1, stages)))
+    return FeedBatch(tuple(ready[:size]))
 
 
 def apply_step_sent(req: LeaderRequest, step: FeedStep, tick: int) -> None:

@@ -42,6 +42,7 @@ class RunnerSpec(BaseModel):
     listen: list[str] = ["tcp/127.0.0.1:0"]
     prefill_step: int = 256
     window: int = 0  # steps in flight around the ring; 0 = stages + 1
+    max_batch: int = 16  # decode positions of different requests in one step; 1 = one request per step
     # Step deadlines: deadline_slack x the step's estimated time, within [floor, ceiling]; the runner's own
     # watchdog waits watchdog_factor times that, so the controller names a stall first when it can.
     step_deadline_floor: float = 2.0

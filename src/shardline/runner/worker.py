@@ -11,7 +11,7 @@ from shardline.compute.kv import KV_STEP, round_up
 from shardline.compute.sampling import sample
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.messages import Step, StepResult, StepTime
+from shardline.dataplane.messages import RowResult, Step, StepResult, StepTime
 
 WARMUP_ID = "\x00warmup"  # the ring warm-up's request: no front sends control characters
 
@@ -39,6 +39,9 @@ class StageWorker:
 
     def check(self, step: Step, x: mx.array) -> None:
         """Raise ProtocolError unless the step continues a request exactly where its cache stands."""
+        if step.rows:
+            self._check_rows(step, x)
+            return
         cache = self.caches.get(step.request_id)
         if cache is None and step.pos != 0:
             raise ProtocolError(f"step at position {step.pos} for unknown request {step.request_id}")
@@ -51,8 +54,24 @@ class StageWorker:
         if not self.shard.range.is_first and x.shape[-1] != self.shard.hidden_size:
             raise ProtocolError(f"hidden size {x.shape[-1]}, this model has {self.shard.hidden_size}")
 
+    def _check_rows(self, step: Step, x: mx.array) -> None:
+        ids = [r.request_id for r in step.rows]
+        if len(set(ids)) != len(ids):
+            raise ProtocolError(f"batched step {step.seq} names a request twice")
+        for r in step.rows:
+            cache = self.caches.get(r.request_id)
+            if cache is None or cache[0].offset != r.pos:
+                held = "no cache" if cache is None else f"cache holds {cache[0].offset}"
+                raise ProtocolError(f"request {r.request_id}: batched row at position {r.pos}, {held}")
+        if x.ndim < 2 or x.shape[0] != len(step.rows) or x.shape[1] != 1:
+            raise ProtocolError(f"batched step of {len(step.rows)} rows, tensor has shape {list(x.shape)}")
+        if not self.shard.range.is_first and x.shape[-1] != self.shard.hidden_size:
+            raise ProtocolError(f"hidden size {x.shape[-1]}, this model has {self.shard.hidden_size}")
+
     def run(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
         """Returns the message for the next stage (hidden states) or, on the last stage, the step's result."""
+        if step.rows:
+            return self._run_rows(step, x)
         self.check(step, x)
         cache = self.caches.get(step.request_id)
         if cache is None:
@@ -87,6 +106,30 @@ class StageWorker:
             ),
             logits,
         )
+
+    def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
+        self._check_rows(step, x)
+        y = self.shard.forward_rows(x, [self.caches[r.request_id] for r in step.rows])
+        mx.eval(y)
+        self.steps += 1
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_bytes())
+        if not self.shard.range.is_last:
+            return step.model_copy(update={"tensor": tensor_meta(y)}), y
+        results = []
+        for i, r in enumerate(step.rows):
+            if not r.sample:
+                results.append(RowResult(request_id=r.request_id))
+                continue
+            assert r.sampling is not None
+            s = sample(y[i], r.sampling, r.pos + 1, r.context, r.output)
+            results.append(
+                RowResult(
+                    request_id=r.request_id, token=s.token, logprob=s.logprob, top_logprobs=s.top_logprobs
+                )
+            )
+        logits = y if any(r.want_logits for r in step.rows) else None
+        meta = tensor_meta(logits) if logits is not None else None
+        return StepResult(seq=step.seq, request_id=step.request_id, rows=results, tensor=meta), logits
 
     def kv_bytes(self) -> int:
         return sum(c.nbytes for cache in list(self.caches.values()) for c in cache)

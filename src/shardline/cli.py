@@ -126,7 +126,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from shardline.bench.engine import run
 
-    run(model=args.model, json_path=args.json, quick=args.quick)
+    run(model=args.model, json_path=args.json, quick=args.quick, pairs=_positive(args.rounds, "--rounds"))
     return 0
 
 
@@ -207,10 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, reported as ratios against a side-by-side baseline")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
-    be = bsub.add_parser("engine", help="decode, prefill overlap, activation memory and 2-stream throughput")
+    be = bsub.add_parser(
+        "engine", help="decode, prefill overlap, activation memory, batched streams, against mlx-lm"
+    )
     be.add_argument("--model", default=None)
     be.add_argument("--json", type=Path, default=None, help="write the results to this file")
     be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
+    be.add_argument("--rounds", type=int, default=3, help="alternating baseline / engine rounds")
     be.set_defaults(func=cmd_bench_engine)
     bc = bsub.add_parser("chaos", help="requests while stages are killed, stalled and aborted at random")
     bc.add_argument("--model", default=None)

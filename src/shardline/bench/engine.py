@@ -98,6 +98,28 @@ def _streams(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple
     return inside / (end - start), tokens
 
 
+def _last_step_ms(engine: Engine) -> list[float]:
+    beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.stage)
+    return [round(1000 * h.last_step.seconds, 2) if h.last_step else 0.0 for h in beats]
+
+
+def _profile(raw: dict) -> dict:
+    """One decode token, in milliseconds: single-process mlx-lm, then each pipeline's stages and the rest."""
+    out: dict = {"single_process": round(1000 / raw["single_decode_tps"], 2)}
+    for s in ("s1", "s2"):
+        token = 1000 / raw[f"{s}_decode_tps"]
+        compute = raw[f"{s}_stage_ms"]
+        out[s] = {"token": round(token, 2), "stages": compute, "rest": round(token - sum(compute), 2)}
+    return out
+
+
+def _median(values: list) -> float | list[float]:
+    """The median of per-round figures; of each position, for per-stage lists."""
+    if isinstance(values[0], list):
+        return [statistics.median(x) for x in zip(*values, strict=True)]
+    return statistics.median(values)
+
+
 def _activation_bytes(engine: Engine) -> list[int]:
     return [max(0, h.peak_bytes - h.weight_bytes - h.kv_peak_bytes) for h in engine.fresh_heartbeats(30)]
 
@@ -113,8 +135,15 @@ def _round(model_dir: Path, vocab: int, chunks: int, decode_tokens: int) -> tupl
     raw["single_decode_tps"] = _decode_tps(base_decode["stamps"])
     raw["single_prefill_tps"] = len(long_prompt) / base_prefill["stamps"][0]
 
+    # Where a decode token's time goes: each stage's compute (its last step, from its heartbeat) and the rest
+    # (hops, framing, the leader's Python between steps), on one stage and on two.
+    with _engine(model_dir, 1) as engine:
+        raw["s1_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
+        raw["s1_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
+
     with _engine(model_dir, 2) as engine:
         raw["s2_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
+        raw["s2_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
         raw["s2_overlap_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]
         raw["s2_1stream_tps"], _ = _streams(engine, stream_prompts[:1], decode_tokens)
         raw["s2_2stream_tps"], _ = _streams(engine, stream_prompts[:2], decode_tokens)
@@ -180,7 +209,8 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     result["activation_mem_prompts"] = [short, long]
     result["batched_outputs_mismatched"] = int(max(raws["batched_outputs_mismatched"]))
     result["ranges"] = {k: [min(v), max(v)] for k, v in rounds.items()}
-    result["raw"] = {k: statistics.median(v) for k, v in raws.items()}
+    result["raw"] = {k: _median(v) for k, v in raws.items()}
+    result["decode_token_profile_ms"] = _profile(result["raw"])
     result["raw"]["activation_bytes_short_per_stage"] = mem["short"]
     result["raw"]["activation_bytes_long_per_stage"] = mem["long"]
     _print_table(result)
@@ -215,3 +245,4 @@ def _print_table(result: dict) -> None:
         print(f"{key:46} {result[key]:8.3f} {lo:8.3f}-{hi:<8.3f} {better}{target:6.2f}")
     for key, value in result["raw"].items():
         print(f"  {key}: {value if isinstance(value, list) else round(value, 2)}")
+    print(f"  decode token profile (ms): {result['decode_token_profile_ms']}")

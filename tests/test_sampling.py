@@ -236,3 +236,21 @@ def test_top_logprobs_length(vocab: int, k: int, want: int) -> None:
     out = sample(logits, SamplingParams(temperature=1.0, top_logprobs=k), position=0, context=[])
     assert len(out.top_logprobs) == want
     assert len({t for t, _ in out.top_logprobs}) == want
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("spread", "top_p"), [(8.0, 0.9), (8.0, 0.5), (0.01, 0.9), (0.01, 0.2)])
+def test_nucleus_over_a_large_vocabulary_equals_the_full_sort(spread: float, top_p: float) -> None:
+    """Peaked logits take the candidates' shortcut; nearly flat ones need more than the candidates hold."""
+    from shardline.compute.sampling import NUCLEUS_CANDIDATES, _nucleus
+
+    vocab = 8 * NUCLEUS_CANDIDATES
+    logits = mx.random.normal((vocab,), key=mx.random.key(5)) * spread
+    probs = np.array(mx.softmax(logits))
+    order = np.argsort(-probs, kind="stable")
+    before = np.cumsum(probs[order]) - probs[order]
+    want = set(order[before < top_p].tolist())
+    got = set(np.nonzero(np.array(_nucleus(logits, top_p)) > -np.inf)[0].tolist())
+    assert got == want
+    if spread < 1:
+        assert len(want) > NUCLEUS_CANDIDATES  # the fallback was needed

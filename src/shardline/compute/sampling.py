@@ -64,6 +64,37 @@ def apply_output_penalties(
     return logits - counts * frequency - (counts > 0).astype(mx.float32) * presence
 
 
+NUCLEUS_CANDIDATES = 1024  # the nucleus is looked for among this many best tokens first
+
+
+def _largest(values: mx.array, k: int) -> mx.array:
+    """Indices of the k largest values, largest first, without sorting them all."""
+    if k <= 0:
+        return mx.array([], mx.uint32)
+    if k >= values.shape[0]:
+        return mx.argsort(-values)
+    idx = mx.argpartition(-values, kth=k - 1)[:k]
+    return idx[mx.argsort(-values[idx])]
+
+
+def _nucleus(scaled: mx.array, top_p: float) -> mx.array:
+    """Keep the most likely tokens while the mass strictly above each is below top_p (top-p sampling).
+
+    The kept tokens are a prefix of the sorted order, so when the best candidates already hold top_p of
+    the mass, nothing past them can be kept: sorting them alone gives the same set as sorting everything
+    (a full sort of a large vocabulary costs more than the rest of a decode step's sampling)."""
+    probs_all = mx.softmax(scaled)
+    order = _largest(scaled, min(NUCLEUS_CANDIDATES, scaled.shape[0]))
+    probs = probs_all[order]
+    if order.shape[0] < scaled.shape[0] and probs.sum().item() < top_p:
+        order = mx.argsort(-scaled)
+        probs = probs_all[order]
+    before = mx.cumsum(probs) - probs  # mass strictly above each candidate
+    keep = mx.zeros(scaled.shape, dtype=mx.bool_)
+    keep[order] = before < top_p
+    return mx.where(keep, scaled, -math.inf)
+
+
 def sample(
     logits: mx.array,
     params: SamplingParams,
@@ -89,17 +120,11 @@ def sample(
             floor = scaled.max() + math.log(params.min_p)
             scaled = mx.where(scaled < floor, -math.inf, scaled)
         if params.top_p < 1.0:
-            order = mx.argsort(-scaled)
-            probs = mx.softmax(scaled[order])
-            before = mx.cumsum(probs) - probs  # mass strictly above each candidate
-            keep_sorted = before < params.top_p
-            keep = mx.zeros_like(keep_sorted)
-            keep[order] = keep_sorted
-            scaled = mx.where(keep, scaled, -math.inf)
+            scaled = _nucleus(scaled, params.top_p)
         chosen = mx.random.categorical(scaled, key=_key(params.seed, position))
     # One evaluation for the token, its log-probability and the top ones: each sync costs a decode step.
     picked = logprobs[chosen]
-    idx = mx.argsort(-logprobs)[: params.top_logprobs] if params.top_logprobs else mx.array([], mx.uint32)
+    idx = _largest(logprobs, params.top_logprobs)
     top_lp = logprobs[idx]
     mx.eval(chosen, picked, idx, top_lp)
     top = list(zip(idx.tolist(), top_lp.tolist(), strict=True))

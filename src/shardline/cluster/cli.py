@@ -198,7 +198,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             api = f"http://127.0.0.1:{args.api_port}"
             print(
                 f"shardline: {model_dir.name} ready on {args.nodes} nodes ({stages}); OpenAI, Anthropic and "
-                f"Ollama APIs on {api} (node i on port {args.api_port} + i). Try:",
+                f"Ollama APIs on {api} (node i on port {args.api_port} + i), the dashboard at {api}/. Try:",
                 curl_line(api, rec.model),
                 sep="\n",
                 flush=True,

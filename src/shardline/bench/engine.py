@@ -2,19 +2,23 @@
 
 Every number is a ratio against a baseline run in the same invocation; raw numbers stand beside them.
 Stages are pinned one per core with one BLAS thread each, and the baseline to one core with one thread:
-the comparison is per core of work. Speed ratios come from `pairs` alternating rounds (baseline, then
-engine); each is reported as the median with the range of the rounds.
+the comparison is per core of work. The baseline and the engines are loaded once and kept idle between
+runs, so each engine run comes right after the run it is compared with: a shared machine's speed drifts
+over minutes, and a ratio taken seconds apart is steadier. Speed ratios come from `pairs` rounds; each is
+reported as the median with the range of the rounds.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 from shardline.bench.machine import describe
@@ -26,6 +30,8 @@ PREFILL_CHUNKS = 24
 DECODE_TOKENS = 64
 STREAMS = 8
 MEM_SHORT, MEM_LONG = 1024, 16384
+LOAD_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 900
 
 
 def _prompt(n: int, vocab: int, offset: int = 0) -> list[int]:
@@ -33,23 +39,50 @@ def _prompt(n: int, vocab: int, offset: int = 0) -> list[int]:
     return [(offset + 7919 * i) % (vocab - 1000) + 500 for i in range(n)]
 
 
-def _baseline(model_dir: Path, prompt: list[int], max_tokens: int) -> dict:
-    cmd = [
-        sys.executable,
-        "-c",
-        "import os,sys; os.sched_setaffinity(0,{0}); from shardline.bench.baseline import main; main()",
-        str(model_dir),
-        json.dumps(prompt),
-        str(PREFILL_STEP),
-        str(max_tokens),
-    ]
-    # `-c` shifts argv: baseline reads sys.argv[1:5], which are the four values after "-c CODE".
-    out = subprocess.run(
-        cmd, env=blas.runner_env(1), capture_output=True, text=True, timeout=900, check=False
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"baseline failed: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class Baseline:
+    """Single-process mlx-lm in its own process, pinned to one core with one BLAS thread, kept loaded."""
+
+    def __init__(self, model_dir: Path) -> None:
+        code = "import os; os.sched_setaffinity(0, {0}); from shardline.bench.baseline import main; main()"
+        # `-c` shifts argv: baseline reads sys.argv[1:3], the two values after "-c CODE".
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(model_dir), str(PREFILL_STEP)],
+            env=blas.runner_env(1),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._answer(LOAD_TIMEOUT_S)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def _answer(self, timeout: float) -> dict:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"baseline gave no answer within {timeout:.0f}s") from None
+        if not line:
+            raise RuntimeError(f"baseline exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, prompt: list[int], max_tokens: int) -> list[float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(REQUEST_TIMEOUT_S)["stamps"]
+
+    def __enter__(self) -> Baseline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def _engine(model_dir: Path, stages: int, window: int = 0, context_length: int = 0) -> Engine:
@@ -124,35 +157,42 @@ def _activation_bytes(engine: Engine) -> list[int]:
     return [max(0, h.peak_bytes - h.weight_bytes - h.kv_peak_bytes) for h in engine.fresh_heartbeats(30)]
 
 
-def _round(model_dir: Path, vocab: int, chunks: int, decode_tokens: int) -> tuple[dict, dict]:
-    """One baseline-then-engine round: its ratios, and the raw figures they come from."""
+class Rig:
+    """Everything the rounds compare, loaded once and kept idle between runs: the baseline process, the
+    engine on one stage, on two stages, and on two stages one step at a time (no overlap)."""
+
+    def __init__(self, stack: ExitStack, model_dir: Path) -> None:
+        self.baseline = stack.enter_context(Baseline(model_dir))
+        self.s1 = stack.enter_context(_engine(model_dir, 1))
+        self.s2 = stack.enter_context(_engine(model_dir, 2))
+        self.serial = stack.enter_context(_engine(model_dir, 2, window=1))
+
+
+def _round(rig: Rig, vocab: int, chunks: int, decode_tokens: int, check_batched: bool) -> tuple[dict, dict]:
+    """One round: each engine run right after the baseline run it is compared with. Its ratios, and the
+    raw figures they come from."""
     long_prompt = _prompt(chunks * PREFILL_STEP, vocab)
     short_prompt = _prompt(32, vocab, offset=3)
     stream_prompts = [_prompt(24 + 4 * k, vocab, offset=5 + k) for k in range(STREAMS)]
     raw: dict[str, float] = {}
-    base_decode = _baseline(model_dir, short_prompt, decode_tokens)
-    base_prefill = _baseline(model_dir, long_prompt, 1)
-    raw["single_decode_tps"] = _decode_tps(base_decode["stamps"])
-    raw["single_prefill_tps"] = len(long_prompt) / base_prefill["stamps"][0]
-
+    raw["single_decode_tps"] = _decode_tps(rig.baseline.run(short_prompt, decode_tokens))
     # Where a decode token's time goes: each stage's compute (its last step, from its heartbeat) and the rest
     # (hops, framing, the leader's Python between steps), on one stage and on two.
-    with _engine(model_dir, 1) as engine:
-        raw["s1_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
-        raw["s1_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
+    raw["s1_decode_tps"] = _decode_tps(_timed_request(rig.s1, short_prompt, decode_tokens))
+    raw["s1_stage_ms"] = _last_step_ms(rig.s1)  # type: ignore[assignment]
+    raw["s2_decode_tps"] = _decode_tps(_timed_request(rig.s2, short_prompt, decode_tokens))
+    raw["s2_stage_ms"] = _last_step_ms(rig.s2)  # type: ignore[assignment]
 
-    with _engine(model_dir, 2) as engine:
-        raw["s2_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
-        raw["s2_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
-        raw["s2_overlap_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]
-        raw["s2_1stream_tps"], _ = _streams(engine, stream_prompts[:1], decode_tokens)
-        raw["s2_2stream_tps"], _ = _streams(engine, stream_prompts[:2], decode_tokens)
-        raw["s2_8stream_tps"], together = _streams(engine, stream_prompts, decode_tokens)
-        alone = [_streams(engine, [p], decode_tokens)[1][0] for p in stream_prompts]
+    raw["single_prefill_tps"] = len(long_prompt) / rig.baseline.run(long_prompt, 1)[0]
+    raw["s2_overlap_prefill_tps"] = len(long_prompt) / _timed_request(rig.s2, long_prompt, 1)[0]
+    raw["s2_serial_prefill_tps"] = len(long_prompt) / _timed_request(rig.serial, long_prompt, 1)[0]
+
+    raw["s2_1stream_tps"], _ = _streams(rig.s2, stream_prompts[:1], decode_tokens)
+    raw["s2_2stream_tps"], _ = _streams(rig.s2, stream_prompts[:2], decode_tokens)
+    raw["s2_8stream_tps"], together = _streams(rig.s2, stream_prompts, decode_tokens)
+    if check_batched:
+        alone = [_streams(rig.s2, [p], decode_tokens)[1][0] for p in stream_prompts]
         raw["batched_outputs_mismatched"] = sum(a != b for a, b in zip(alone, together, strict=True))
-
-    with _engine(model_dir, 2, window=1) as engine:
-        raw["s2_serial_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]
 
     ratios = {
         "decode_ratio_s2_vs_single": raw["s2_decode_tps"] / raw["single_decode_tps"],
@@ -178,13 +218,15 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
 
     rounds: dict[str, list[float]] = defaultdict(list)
     raws: dict[str, list[float]] = defaultdict(list)
-    for i in range(pairs):
-        print(f"bench engine: round {i + 1} of {pairs}", file=sys.stderr)
-        ratios, raw = _round(model_dir, vocab, chunks, decode_tokens)
-        for k, v in ratios.items():
-            rounds[k].append(v)
-        for k, v in raw.items():
-            raws[k].append(v)
+    with ExitStack() as stack:
+        rig = Rig(stack, model_dir)
+        for i in range(pairs):
+            print(f"bench engine: round {i + 1} of {pairs}", file=sys.stderr)
+            ratios, raw = _round(rig, vocab, chunks, decode_tokens, check_batched=i == 0)
+            for k, v in ratios.items():
+                rounds[k].append(v)
+            for k, v in raw.items():
+                raws[k].append(v)
 
     mem = {}
     short, long = (256, 1024) if quick else (MEM_SHORT, MEM_LONG)
@@ -200,7 +242,8 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
         "prefill_step": PREFILL_STEP,
         "prefill_prompt_tokens": chunks * PREFILL_STEP,
         "pairs": pairs,
-        "setup": "stages pinned one per core, one BLAS thread each; baseline pinned to one core, one thread",
+        "setup": "stages pinned one per core, one BLAS thread each; baseline pinned to one core, one thread; "
+        "all loaded at once, each engine run right after its baseline run",
     }
     result.update({k: statistics.median(v) for k, v in rounds.items()})
     result["activation_mem_ratio_long_vs_short"] = max(
@@ -210,6 +253,7 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     result["batched_outputs_mismatched"] = int(max(raws["batched_outputs_mismatched"]))
     result["ranges"] = {k: [min(v), max(v)] for k, v in rounds.items()}
     result["raw"] = {k: _median(v) for k, v in raws.items()}
+    result["rounds"] = [{k: v[i] for k, v in raws.items() if i < len(v)} for i in range(pairs)]
     result["decode_token_profile_ms"] = _profile(result["raw"])
     result["raw"]["activation_bytes_short_per_stage"] = mem["short"]
     result["raw"]["activation_bytes_long_per_stage"] = mem["long"]

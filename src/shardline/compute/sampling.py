@@ -95,17 +95,13 @@ def _nucleus(scaled: mx.array, top_p: float) -> mx.array:
     return mx.where(keep, scaled, -math.inf)
 
 
-def sample(
-    logits: mx.array,
-    params: SamplingParams,
-    position: int,
-    context: list[int],
-    output: list[int] | None = None,
-) -> Sampled:
-    """logits: (vocab,) float32 of the position before `position`. Returns the token placed at `position`.
+Pick = tuple[mx.array, mx.array, mx.array, mx.array]  # token, its logprob, top indices, their logprobs
 
-    `context`: the recent tokens the repetition penalty looks at; `output`: the tokens generated so far
-    (for the presence and frequency penalties)."""
+
+def _pick(
+    logits: mx.array, params: SamplingParams, position: int, context: list[int], output: list[int] | None
+) -> Pick:
+    """The lazy graph of one token's choice: nothing is evaluated here."""
     logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
     logits = apply_output_penalties(logits, output or [], params.presence_penalty, params.frequency_penalty)
     logprobs = logits - mx.logsumexp(logits)
@@ -122,10 +118,35 @@ def sample(
         if params.top_p < 1.0:
             scaled = _nucleus(scaled, params.top_p)
         chosen = mx.random.categorical(scaled, key=_key(params.seed, position))
-    # One evaluation for the token, its log-probability and the top ones: each sync costs a decode step.
-    picked = logprobs[chosen]
     idx = _largest(logprobs, params.top_logprobs)
-    top_lp = logprobs[idx]
-    mx.eval(chosen, picked, idx, top_lp)
+    return chosen, logprobs[chosen], idx, logprobs[idx]
+
+
+def _sampled(pick: Pick) -> Sampled:
+    chosen, picked, idx, top_lp = pick
     top = list(zip(idx.tolist(), top_lp.tolist(), strict=True))
     return Sampled(token=int(chosen.item()), logprob=float(picked.item()), top_logprobs=top)
+
+
+def sample(
+    logits: mx.array,
+    params: SamplingParams,
+    position: int,
+    context: list[int],
+    output: list[int] | None = None,
+) -> Sampled:
+    """logits: (vocab,) float32 of the position before `position`. Returns the token placed at `position`.
+
+    `context`: the recent tokens the repetition penalty looks at; `output`: the tokens generated so far
+    (for the presence and frequency penalties)."""
+    return sample_many([(logits, params, position, context, output)])[0]
+
+
+SampleArgs = tuple[mx.array, SamplingParams, int, list[int], list[int] | None]
+
+
+def sample_many(rows: list[SampleArgs]) -> list[Sampled]:
+    """Each row sampled as sample() would alone, in one evaluation: every sync costs a decode step."""
+    picks = [_pick(*row) for row in rows]
+    mx.eval(*(a for pick in picks for a in pick))
+    return [_sampled(pick) for pick in picks]

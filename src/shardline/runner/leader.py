@@ -16,6 +16,7 @@ from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.transport import DeadlineExceeded, Envelope
 from shardline.runner import schedule
 from shardline.runner.deadline import Speed
+from shardline.runner.row_costs import RowCosts
 from shardline.runner.worker import WARMUP_ID, ProtocolError
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class InFlight:
     n: int
     context: int
     rows: tuple[str, ...] = ()  # a batched step's requests, in row order
+    sent_at: float = 0.0
+    alone: bool = False  # nothing else was in flight: its time around the ring has no queueing in it
 
 
 class Leader:
@@ -46,6 +49,7 @@ class Leader:
         self.seen: dict[str, int] = {}  # front -> last control seq
         self.early: list[Envelope] = []  # control messages that arrived during warm-up
         self.stage_speed = [Speed(attn_keys=runner.speed.attn_keys) for _ in range(self.spec.stages)]
+        self.row_costs = RowCosts.for_stages(self.spec.stages)
         own_layers = self.spec.layer_end - self.spec.layer_start
         self.kv_bytes_per_token = self.worker.kv_bytes_per_token * self.spec.layer_total // own_layers
         self.seq = 0
@@ -151,12 +155,20 @@ class Leader:
     def act(self) -> None:
         window = self.spec.in_flight_window
         while True:
+            requests = list(self.requests.values())
+            batches = schedule.micro_batches(
+                sum(1 for r in requests if r.decoding),
+                self.spec.stages,
+                self.spec.max_batch,
+                self.row_costs.estimate,
+                self.row_costs.rest_s,
+            )
             action = schedule.plan(
-                list(self.requests.values()),
+                requests,
                 len(self.in_flight),
                 window,
                 self.spec.prefill_step,
-                self.spec.stages,
+                batches,
                 self.spec.max_batch,
                 sum(1 for f in self.in_flight.values() if f.rows),
             )
@@ -282,8 +294,10 @@ class Leader:
         self._send(msg, InFlight(m.BATCH_ID, len(rows), msg.keys, ids), tokens)
 
     def _send(self, msg: m.Step, flight: InFlight, tokens: list[list[int]]) -> None:
+        flight.sent_at = time.monotonic()
         if not self.in_flight:
-            self.last_progress = time.monotonic()
+            self.last_progress = flight.sent_at
+            flight.alone = True
         self.in_flight[self.seq] = flight
         out, tensor = self.r.compute(msg, mx.array(tokens, dtype=mx.int32))
         if self.r.downstream is None:  # a single stage is its own last stage
@@ -309,6 +323,8 @@ class Leader:
             return
         if [r.request_id for r in res.rows] != list(f.rows):
             raise ProtocolError(f"result of batched step {res.seq} does not match its rows")
+        round_trip = self.last_progress - f.sent_at if f.alone else None
+        self.row_costs.observe(len(f.rows), res.trace, round_trip)
         for i, row in enumerate(res.rows):
             self._took(row, logits[i] if logits is not None else None)
 

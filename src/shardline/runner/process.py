@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from shardline.compute import attention
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import FrameError
@@ -95,8 +96,8 @@ class Runner:
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.faults.maybe_fire("load", 0)
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
-        # Attention scratch per head stays at what one chunk attending to itself needs, at any context length.
-        budget = spec.score_budget or max(4096, spec.prefill_step**2)
+        # Attention scratch per head: one chunk attending to TILE_KEYS keys, at any context length.
+        budget = spec.score_budget or attention.score_budget(spec.prefill_step)
         shard = load_shard(Path(spec.model_dir), layers, budget)
         self.worker = StageWorker(shard)
         self.weight_bytes = shard.weight_bytes()

@@ -7,6 +7,7 @@ steps the original made. The step that feeds the last known token samples the ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardline.dataplane.messages import RequestSpec
@@ -78,15 +79,15 @@ def plan(
     in_flight: int,
     window: int,
     prefill_step: int,
-    stages: int = 1,
+    batches: int = 1,
     max_batch: int = 1,
     batches_in_flight: int = 0,
 ) -> Action | None:
     """One action, or None to wait for results. Releases first, then decode steps, then prefill chunks.
 
-    Decoding streams go in micro-batches of up to ceil(decoding / stages) rows (at most max_batch), at
-    most one per stage in flight: every stage has one to work on, and rows that come back while all are
-    out wait for the next to return and join it, so batches that started small merge. The window's last
+    Decoding streams go in micro-batches of up to ceil(decoding / batches) rows (at most max_batch), at
+    most `batches` in flight (see micro_batches): rows that come back while all are out wait for the next
+    to return and join it, so batches that started small merge. The window's last
     free slot goes to a prefill chunk when one is ready: decoding streams would otherwise keep the window
     full between them, and a new request would wait for one to finish.
     """
@@ -112,10 +113,37 @@ def plan(
         return None
     if max_batch <= 1:
         return ready[0]
-    if batches_in_flight >= stages:
+    if batches_in_flight >= batches:
         return prefill
-    size = min(max_batch, -(-len(decoding) // max(1, stages)))
+    size = min(max_batch, -(-len(decoding) // max(1, batches)))
     return FeedBatch(tuple(ready[:size]))
+
+
+BATCHES_MARGIN = 1.03  # fewer micro-batches than stages only when they are clearly faster
+
+
+def micro_batches(
+    streams: int, stages: int, max_batch: int, cost: Callable[[int], list[float] | None], rest_s: float
+) -> int:
+    """How many micro-batches the decoding streams go in: the count that yields the most tokens a second.
+
+    cost(rows) is each stage's seconds for a step of that many rows. k batches of ceil(streams / k) rows
+    make one cycle: a batch goes around the ring in the sum of the stages' times plus the rest (hops, the
+    leader), and the busiest stage must run all k of them within the cycle. One batch per stage is the
+    default, and the choice until every stage's cost is known.
+    """
+    default = max(1, min(stages, streams))
+    best_k, best_rate = default, 0.0
+    for k in range(default, 0, -1):
+        rows = min(max_batch, -(-streams // k))
+        times = cost(rows)
+        if times is None:
+            return default
+        cycle = max(sum(times) + rest_s, k * max(times))
+        rate = min(streams, k * rows) / cycle if cycle > 0 else 0.0
+        if rate > best_rate * BATCHES_MARGIN:
+            best_k, best_rate = k, rate
+    return best_k
 
 
 def apply_step_sent(req: LeaderRequest, step: FeedStep, tick: int) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from shardline.compute.kv import KV_STEP, round_up
-from shardline.compute.sampling import sample
+from shardline.compute.sampling import sample, sample_many
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.messages import RowResult, Step, StepResult, StepTime
@@ -115,18 +115,18 @@ class StageWorker:
         self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_bytes())
         if not self.shard.range.is_last:
             return step.model_copy(update={"tensor": tensor_meta(y)}), y
+        wanted = [i for i, r in enumerate(step.rows) if r.sample]
+        args = []
+        for i in wanted:
+            r = step.rows[i]
+            assert r.sampling is not None
+            args.append((y[i], r.sampling, r.pos + 1, r.context, r.output))
+        sampled = dict(zip(wanted, sample_many(args), strict=True))  # one sync for every row
         results = []
         for i, r in enumerate(step.rows):
-            if not r.sample:
-                results.append(RowResult(request_id=r.request_id))
-                continue
-            assert r.sampling is not None
-            s = sample(y[i], r.sampling, r.pos + 1, r.context, r.output)
-            results.append(
-                RowResult(
-                    request_id=r.request_id, token=s.token, logprob=s.logprob, top_logprobs=s.top_logprobs
-                )
-            )
+            s = sampled.get(i)
+            fields = {} if s is None else s.model_dump(include={"token", "logprob", "top_logprobs"})
+            results.append(RowResult(request_id=r.request_id, **fields))
         logits = y if any(r.want_logits for r in step.rows) else None
         meta = tensor_meta(logits) if logits is not None else None
         return StepResult(seq=step.seq, request_id=step.request_id, rows=results, tensor=meta), logits

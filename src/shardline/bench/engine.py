@@ -2,9 +2,9 @@
 
 Every number is a ratio against a baseline run in the same invocation; raw numbers stand beside them.
 Stages are pinned one per core with one BLAS thread each, and the baseline to one core with one thread:
-the comparison is per core of work. The baseline and the engines are loaded once and kept idle between
-runs, so each engine run comes right after the run it is compared with: a shared machine's speed drifts
-over minutes, and a ratio taken seconds apart is steadier. Speed ratios come from `pairs` rounds; each is
+the comparison is per core of work. The baseline is loaded once and kept idle between runs, so each engine
+run comes right after the run it is compared with: a shared machine's speed drifts over minutes, and a
+ratio taken seconds apart is steadier. Speed ratios come from `pairs` rounds; each is
 reported as the median with the range of the rounds.
 """
 
@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from contextlib import ExitStack
 from pathlib import Path
 
 from shardline.bench.machine import describe
@@ -157,42 +156,38 @@ def _activation_bytes(engine: Engine) -> list[int]:
     return [max(0, h.peak_bytes - h.weight_bytes - h.kv_peak_bytes) for h in engine.fresh_heartbeats(30)]
 
 
-class Rig:
-    """Everything the rounds compare, loaded once and kept idle between runs: the baseline process, the
-    engine on one stage, on two stages, and on two stages one step at a time (no overlap)."""
-
-    def __init__(self, stack: ExitStack, model_dir: Path) -> None:
-        self.baseline = stack.enter_context(Baseline(model_dir))
-        self.s1 = stack.enter_context(_engine(model_dir, 1))
-        self.s2 = stack.enter_context(_engine(model_dir, 2))
-        self.serial = stack.enter_context(_engine(model_dir, 2, window=1))
-
-
-def _round(rig: Rig, vocab: int, chunks: int, decode_tokens: int, check_batched: bool) -> tuple[dict, dict]:
+def _round(
+    baseline: Baseline, model_dir: Path, vocab: int, chunks: int, decode_tokens: int, check_batched: bool
+) -> tuple[dict, dict]:
     """One round: each engine run right after the baseline run it is compared with. Its ratios, and the
-    raw figures they come from."""
+    raw figures they come from. One engine is up at a time (an idle one still beats and listens), while
+    the baseline process stays loaded, idle on its input."""
     long_prompt = _prompt(chunks * PREFILL_STEP, vocab)
     short_prompt = _prompt(32, vocab, offset=3)
     stream_prompts = [_prompt(24 + 4 * k, vocab, offset=5 + k) for k in range(STREAMS)]
     raw: dict[str, float] = {}
-    raw["single_decode_tps"] = _decode_tps(rig.baseline.run(short_prompt, decode_tokens))
     # Where a decode token's time goes: each stage's compute (its last step, from its heartbeat) and the rest
     # (hops, framing, the leader's Python between steps), on one stage and on two.
-    raw["s1_decode_tps"] = _decode_tps(_timed_request(rig.s1, short_prompt, decode_tokens))
-    raw["s1_stage_ms"] = _last_step_ms(rig.s1)  # type: ignore[assignment]
-    raw["s2_decode_tps"] = _decode_tps(_timed_request(rig.s2, short_prompt, decode_tokens))
-    raw["s2_stage_ms"] = _last_step_ms(rig.s2)  # type: ignore[assignment]
+    with _engine(model_dir, 1) as engine:
+        raw["s1_single_decode_tps"] = _decode_tps(baseline.run(short_prompt, decode_tokens))
+        raw["s1_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
+        raw["s1_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
 
-    raw["single_prefill_tps"] = len(long_prompt) / rig.baseline.run(long_prompt, 1)[0]
-    raw["s2_overlap_prefill_tps"] = len(long_prompt) / _timed_request(rig.s2, long_prompt, 1)[0]
-    raw["s2_serial_prefill_tps"] = len(long_prompt) / _timed_request(rig.serial, long_prompt, 1)[0]
+    with _engine(model_dir, 2) as engine:
+        raw["single_decode_tps"] = _decode_tps(baseline.run(short_prompt, decode_tokens))
+        raw["s2_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
+        raw["s2_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
+        raw["single_prefill_tps"] = len(long_prompt) / baseline.run(long_prompt, 1)[0]
+        raw["s2_overlap_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]
+        raw["s2_1stream_tps"], _ = _streams(engine, stream_prompts[:1], decode_tokens)
+        raw["s2_2stream_tps"], _ = _streams(engine, stream_prompts[:2], decode_tokens)
+        raw["s2_8stream_tps"], together = _streams(engine, stream_prompts, decode_tokens)
+        if check_batched:
+            alone = [_streams(engine, [p], decode_tokens)[1][0] for p in stream_prompts]
+            raw["batched_outputs_mismatched"] = sum(a != b for a, b in zip(alone, together, strict=True))
 
-    raw["s2_1stream_tps"], _ = _streams(rig.s2, stream_prompts[:1], decode_tokens)
-    raw["s2_2stream_tps"], _ = _streams(rig.s2, stream_prompts[:2], decode_tokens)
-    raw["s2_8stream_tps"], together = _streams(rig.s2, stream_prompts, decode_tokens)
-    if check_batched:
-        alone = [_streams(rig.s2, [p], decode_tokens)[1][0] for p in stream_prompts]
-        raw["batched_outputs_mismatched"] = sum(a != b for a, b in zip(alone, together, strict=True))
+    with _engine(model_dir, 2, window=1) as engine:
+        raw["s2_serial_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]
 
     ratios = {
         "decode_ratio_s2_vs_single": raw["s2_decode_tps"] / raw["single_decode_tps"],
@@ -218,11 +213,10 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
 
     rounds: dict[str, list[float]] = defaultdict(list)
     raws: dict[str, list[float]] = defaultdict(list)
-    with ExitStack() as stack:
-        rig = Rig(stack, model_dir)
+    with Baseline(model_dir) as baseline:
         for i in range(pairs):
             print(f"bench engine: round {i + 1} of {pairs}", file=sys.stderr)
-            ratios, raw = _round(rig, vocab, chunks, decode_tokens, check_batched=i == 0)
+            ratios, raw = _round(baseline, model_dir, vocab, chunks, decode_tokens, check_batched=i == 0)
             for k, v in ratios.items():
                 rounds[k].append(v)
             for k, v in raw.items():
@@ -243,7 +237,7 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
         "prefill_prompt_tokens": chunks * PREFILL_STEP,
         "pairs": pairs,
         "setup": "stages pinned one per core, one BLAS thread each; baseline pinned to one core, one thread; "
-        "all loaded at once, each engine run right after its baseline run",
+        "the baseline kept loaded, each engine run right after its baseline run",
     }
     result.update({k: statistics.median(v) for k, v in rounds.items()})
     result["activation_mem_ratio_long_vs_short"] = max(

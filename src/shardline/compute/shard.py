@@ -75,6 +75,20 @@ class Shard:
         self.layers = list(inner.layers)
         self.norm = inner.norm if layers.is_last else None
         self.hidden_size = int(config["hidden_size"])
+        self.head_split = self._head_split()
+
+    def _head_split(self) -> int:
+        """Where a tied output head splits between the first and the last stage (0: it does not).
+
+        The head is the largest single matmul of a small model's decode step, and with tied embeddings the
+        first stage holds its weights already. Sharing it keeps the last stage from being the slowest one,
+        which is what paces interleaved micro-batches: the last stage computes the upper half of the logits
+        and the first stage (the leader) the lower half, then samples (`finish_head`)."""
+        if self.range.is_first == self.range.is_last or not self.tied:
+            return 0
+        if type(self.embed) is not nn.Embedding:  # quantized heads keep the plain path
+            return 0
+        return int(self.embed.weight.shape[0]) // 2
 
     @property
     def tied(self) -> bool:
@@ -94,9 +108,7 @@ class Shard:
             h = layer(h, mask, cache=c)
         if not self.range.is_last:
             return h
-        h = self.norm(h[:, -1, :])
-        logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
-        return logits[0].astype(mx.float32)
+        return self.head(self.norm(h[:, -1, :]))[0]
 
     def forward_rows(self, x: mx.array, caches: list[list[kv_cache.KVCache]]) -> mx.array:
         """One decode position for each of several requests: x is (rows, 1) token ids on the first stage,
@@ -107,9 +119,23 @@ class Shard:
             h = decode_block(block, h, [c[j] for c in caches])
         if not self.range.is_last:
             return h
-        h = self.norm(h[:, -1, :])
-        logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
-        return logits.astype(mx.float32)
+        return self.head(self.norm(h[:, -1, :]))
+
+    def head(self, h: mx.array) -> mx.array:
+        """Normalised hidden states (rows, D) -> logits (rows, vocab); with a split head, the hidden states
+        and the upper part of the logits side by side (rows, D + vocab - split), for `finish_head`."""
+        if not self.head_split:
+            logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
+            return logits.astype(mx.float32)
+        upper = h @ self.embed.weight[self.head_split :].T
+        return mx.concatenate([h.astype(mx.float32), upper.astype(mx.float32)], axis=-1)
+
+    def finish_head(self, packed: mx.array) -> mx.array:
+        """On the first stage: the last stage's `head` output -> full logits (..., vocab)."""
+        weight = self.embed.weight
+        h = packed[..., : self.hidden_size].astype(weight.dtype)  # back to the dtype the last stage had
+        lower = h @ weight[: self.head_split].T
+        return mx.concatenate([lower.astype(mx.float32), packed[..., self.hidden_size :]], axis=-1)
 
     def weight_bytes(self) -> int:
         from mlx.utils import tree_flatten

@@ -107,6 +107,9 @@ class StepResult(Wire):
     trace: list[float] = []
     tensor: TensorMeta | None = None  # the logits, when asked for (every row's, when batched)
     rows: list[RowResult] = []
+    # The head is split (Shard.head_split): nothing is sampled yet, and the tensor holds the hidden states and
+    # the upper part of the logits, which the leader completes and samples from.
+    head: bool = False
 
 
 class Release(Wire):

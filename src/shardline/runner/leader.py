@@ -34,6 +34,7 @@ class InFlight:
     rows: tuple[str, ...] = ()  # a batched step's requests, in row order
     sent_at: float = 0.0
     alone: bool = False  # nothing else was in flight: its time around the ring has no queueing in it
+    step: m.Step | None = None  # as sent: with a split head, the leader samples it
 
 
 class Leader:
@@ -95,6 +96,8 @@ class Leader:
                 env = self.r.inbox.get(timeout=left)
                 msg = env.message
                 if isinstance(msg, m.StepResult) and msg.seq == self.seq:
+                    if msg.head:
+                        msg, _ = self._finish_head(msg, step, env.tensor)
                     self._observe(step, msg.trace)
                     break
                 if env.source == "control":
@@ -295,6 +298,7 @@ class Leader:
 
     def _send(self, msg: m.Step, flight: InFlight, tokens: list[list[int]]) -> None:
         flight.sent_at = time.monotonic()
+        flight.step = msg
         if not self.in_flight:
             self.last_progress = flight.sent_at
             flight.alone = True
@@ -315,6 +319,8 @@ class Leader:
             raise ProtocolError(f"results of steps {lost} never arrived (got {res.seq})")
         if env is not None:
             logits = env.tensor
+        if res.head:
+            res, logits = self._finish_head(res, f.step, logits)
         del self.in_flight[res.seq]
         self.last_progress = time.monotonic()
         self._observe(f, res.trace)
@@ -327,6 +333,18 @@ class Leader:
         self.row_costs.observe(len(f.rows), res.trace, round_trip)
         for i, row in enumerate(res.rows):
             self._took(row, logits[i] if logits is not None else None)
+
+    def _finish_head(self, res: m.StepResult, step: m.Step | None, packed: Any) -> tuple[m.StepResult, Any]:
+        """The last stage computed its part of a split head: complete the logits and sample here. The time
+        counts as the first stage's, whose core it runs on."""
+        if packed is None or step is None or not self.worker.shard.head_split:
+            raise ProtocolError(f"result of step {res.seq} leaves a head to finish that this stage lacks")
+        started = time.monotonic()
+        done, logits = self.worker.finish_head(step, packed)
+        trace = list(res.trace)
+        if trace:
+            trace[0] += time.monotonic() - started
+        return done.model_copy(update={"trace": trace}), logits
 
     def _took(self, res: m.RowResult, logits: Any) -> None:
         """One request's share of a result: its token, if the step sampled one and it still wants it."""

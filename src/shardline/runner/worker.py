@@ -20,6 +20,41 @@ class ProtocolError(RuntimeError):
     """A message that does not fit this stage's state: never obeyed."""
 
 
+def finish(step: Step, y: mx.array) -> tuple[StepResult, mx.array | None]:
+    """A sampling step's result from its logits: (vocab,) for one request, (rows, vocab) for a batch, each
+    row sampled with its own settings in one evaluation."""
+    if not step.rows:
+        assert step.sampling is not None
+        s = sample(y, step.sampling, step.pos + step.n, step.context, step.output)
+        logits = y if step.want_logits else None
+        return (
+            StepResult(
+                seq=step.seq,
+                request_id=step.request_id,
+                token=s.token,
+                logprob=s.logprob,
+                top_logprobs=s.top_logprobs,
+                tensor=tensor_meta(y) if logits is not None else None,
+            ),
+            logits,
+        )
+    wanted = [i for i, r in enumerate(step.rows) if r.sample]
+    args = []
+    for i in wanted:
+        r = step.rows[i]
+        assert r.sampling is not None
+        args.append((y[i], r.sampling, r.pos + 1, r.context, r.output))
+    sampled = dict(zip(wanted, sample_many(args), strict=True))  # one sync for every row
+    results = []
+    for i, r in enumerate(step.rows):
+        s = sampled.get(i)
+        fields = {} if s is None else s.model_dump(include={"token", "logprob", "top_logprobs"})
+        results.append(RowResult(request_id=r.request_id, **fields))
+    logits = y if any(r.want_logits for r in step.rows) else None
+    meta = tensor_meta(logits) if logits is not None else None
+    return StepResult(seq=step.seq, request_id=step.request_id, rows=results, tensor=meta), logits
+
+
 class StageWorker:
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
@@ -86,50 +121,29 @@ class StageWorker:
         if step.reserve:
             for c in cache:
                 c.step = KV_STEP
+        return self._done(step, y)
+
+    def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
+        self._check_rows(step, x)
+        y = self.shard.forward_rows(x, [self.caches[r.request_id] for r in step.rows])
+        mx.eval(y)
+        return self._done(step, y)
+
+    def _done(self, step: Step, y: mx.array) -> tuple[Step | StepResult, mx.array | None]:
         self.steps += 1
         self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_bytes())
         if not self.shard.range.is_last:
             return step.model_copy(update={"tensor": tensor_meta(y)}), y
         if not step.sample:
             return StepResult(seq=step.seq, request_id=step.request_id), None
-        assert step.sampling is not None
-        s = sample(y, step.sampling, step.pos + step.n, step.context, step.output)
-        logits = y if step.want_logits else None
-        return (
-            StepResult(
-                seq=step.seq,
-                request_id=step.request_id,
-                token=s.token,
-                logprob=s.logprob,
-                top_logprobs=s.top_logprobs,
-                tensor=tensor_meta(y) if logits is not None else None,
-            ),
-            logits,
-        )
+        if self.shard.head_split:  # the leader completes the logits and samples
+            return StepResult(seq=step.seq, request_id=step.request_id, head=True, tensor=tensor_meta(y)), y
+        return finish(step, y)
 
-    def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
-        self._check_rows(step, x)
-        y = self.shard.forward_rows(x, [self.caches[r.request_id] for r in step.rows])
-        mx.eval(y)
-        self.steps += 1
-        self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_bytes())
-        if not self.shard.range.is_last:
-            return step.model_copy(update={"tensor": tensor_meta(y)}), y
-        wanted = [i for i, r in enumerate(step.rows) if r.sample]
-        args = []
-        for i in wanted:
-            r = step.rows[i]
-            assert r.sampling is not None
-            args.append((y[i], r.sampling, r.pos + 1, r.context, r.output))
-        sampled = dict(zip(wanted, sample_many(args), strict=True))  # one sync for every row
-        results = []
-        for i, r in enumerate(step.rows):
-            s = sampled.get(i)
-            fields = {} if s is None else s.model_dump(include={"token", "logprob", "top_logprobs"})
-            results.append(RowResult(request_id=r.request_id, **fields))
-        logits = y if any(r.want_logits for r in step.rows) else None
-        meta = tensor_meta(logits) if logits is not None else None
-        return StepResult(seq=step.seq, request_id=step.request_id, rows=results, tensor=meta), logits
+    def finish_head(self, step: Step, packed: mx.array) -> tuple[StepResult, mx.array | None]:
+        """On the first stage, for a result with `head`: the full logits from the last stage's part, then
+        the step's samples."""
+        return finish(step, self.shard.finish_head(packed))  # one evaluation: the sampler's
 
     def kv_bytes(self) -> int:
         return sum(c.nbytes for cache in list(self.caches.values()) for c in cache)

@@ -251,7 +251,7 @@ class Leader:
             self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=tokens))
 
     def _sent(self, step: schedule.FeedStep) -> m.Row:
-        """Mark one request's step as sent; what the last stage needs to sample it."""
+        """Mark one request's step as sent; what sampling it needs."""
         req = self.requests[step.request_id]
         self.tick += 1
         schedule.apply_step_sent(req, step, self.tick)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import pytest
 
-from shardline.compute.attention import BoundedAttention, tiled_causal_attention
+from shardline.compute.attention import BoundedAttention, exp2_nonpositive, tiled_causal_attention
 
 
 def _stock(q, k, v, cache=None, scale=1.0, mask=None, sinks=None):  # mlx-lm's signature
@@ -60,3 +62,38 @@ def test_scratch_does_not_grow_with_the_context():
     at_budget, short, long = scratch(256), scratch(1024), scratch(16384)
     assert long <= 1.2 * short, (short, long)
     assert short <= 2 * at_budget, (at_budget, short)  # and near the stock kernel's at the budget
+
+
+@pytest.mark.timeout(60)
+def test_exp2_nonpositive_matches_exp2_without_subnormals():
+    x = mx.concatenate(
+        [mx.linspace(-125.0, 0.0, 200_001), mx.array([-126.0, -126.5, -200.0, -1e30, -math.inf])]
+    )
+    got = exp2_nonpositive(x)
+    want = mx.power(2.0, x)
+    normal = x >= -125.0
+    rel = mx.abs(got - want) / mx.maximum(want, 1e-38)
+    assert float(mx.where(normal, rel, 0.0).max()) < 1e-6
+    # At and below 2**-126 the result is exactly 0, and nothing anywhere is a subnormal.
+    assert float(mx.where(normal, 0.0, got).max()) == 0.0
+    assert bool(mx.all((got == 0) | (got >= 2.0**-126)).item())
+    assert float(exp2_nonpositive(mx.array([0.0])).item()) == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("n", "length", "block"), TILINGS)
+def test_fast_exp_tiled_equals_stock(n, length, block):
+    q, k, v = _qkv(n, length, seed=3 * n + length)
+    want = _stock(q, k, v, scale=0.25, mask="causal")
+    got = tiled_causal_attention(q, k, v, 0.25, block, fast_exp=True)
+    assert float(mx.abs(got - want).max()) < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_fast_exp_on_model_shaped_scores():
+    """Scaled like a real model's heads (wide logits, keys far below the maximum): the stock answer."""
+    q, k, v = _qkv(128, 1500, heads=9, kv_heads=3, dim=64, seed=7)
+    q = q * 4.0  # scores spread over tens of units, so many keys sit far below each row's maximum
+    want = _stock(q, k, v, scale=0.125, mask="causal")
+    got = BoundedAttention(_stock, 128 * 768)(q, k, v, cache=None, scale=0.125, mask="causal")
+    assert float(mx.abs(got - want).max()) < 1e-4

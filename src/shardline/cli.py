@@ -130,6 +130,13 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_attention(args: argparse.Namespace) -> int:
+    from shardline.bench.attention import run
+
+    run(model=args.model, json_path=args.json, rounds=_positive(args.rounds, "--rounds"))
+    return 0
+
+
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     from shardline.bench.chaos import run
 
@@ -215,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
     be.add_argument("--rounds", type=int, default=3, help="alternating baseline / engine rounds")
     be.set_defaults(func=cmd_bench_engine)
+    ba = bsub.add_parser("attention", help="a prefill chunk's attention: the runner's kernel against MLX's")
+    ba.add_argument("--model", default=None)
+    ba.add_argument("--json", type=Path, default=None)
+    ba.add_argument("--rounds", type=int, default=3, help="alternating rounds over the kernels")
+    ba.set_defaults(func=cmd_bench_attention)
     bc = bsub.add_parser("chaos", help="requests while stages are killed, stalled and aborted at random")
     bc.add_argument("--model", default=None)
     bc.add_argument("--json", type=Path, default=None)

@@ -1,9 +1,12 @@
-"""Pick a fast BLAS for runner processes.
+"""Pick a fast BLAS, and keep freed memory, for runner processes.
 
 The Linux mlx[cpu] wheel links a bundled reference BLAS; OpenBLAS exports the same CBLAS symbols and,
-preloaded
-into a runner, makes float32 matmul an order of magnitude faster. Runners are fresh processes, so the choice
-is made in their environment before they start.
+preloaded into a runner, makes float32 matmul an order of magnitude faster. Runners are fresh processes, so
+the choice is made in their environment before they start.
+
+MLX on CPU takes every array from malloc, and glibc serves blocks above its mmap threshold with fresh
+mappings that it unmaps on free: a prefill chunk's attention tiles then page-fault their way in again for
+every tile (a third of a stage's time went to the kernel). The runner keeps them in its heap instead.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ def runner_env(threads: int, base: dict[str, str] | None = None) -> dict[str, st
     if lib:
         env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
         env["OPENBLAS_NUM_THREADS"] = str(max(1, threads))
+    # glibc only; ignored by other allocators. Blocks up to 32 MiB (glibc's ceiling) come from the heap, and
+    # the heap is not trimmed back below 1 GiB: tiles reuse the same pages from one step to the next.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

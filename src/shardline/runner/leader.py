@@ -15,6 +15,7 @@ from shardline.dataplane import messages as m
 from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.transport import DeadlineExceeded, Envelope
 from shardline.runner import schedule
+from shardline.runner.batch_rates import BatchRates
 from shardline.runner.deadline import Speed
 from shardline.runner.row_costs import RowCosts
 from shardline.runner.worker import WARMUP_ID, ProtocolError
@@ -51,6 +52,7 @@ class Leader:
         self.early: list[Envelope] = []  # control messages that arrived during warm-up
         self.stage_speed = [Speed(attn_keys=runner.speed.attn_keys) for _ in range(self.spec.stages)]
         self.row_costs = RowCosts.for_stages(self.spec.stages)
+        self.batch_rates = BatchRates()
         own_layers = self.spec.layer_end - self.spec.layer_start
         self.kv_bytes_per_token = self.worker.kv_bytes_per_token * self.spec.layer_total // own_layers
         self.seq = 0
@@ -159,13 +161,13 @@ class Leader:
         window = self.spec.in_flight_window
         while True:
             requests = list(self.requests.values())
-            batches = schedule.micro_batches(
-                sum(1 for r in requests if r.decoding),
-                self.spec.stages,
-                self.spec.max_batch,
-                self.row_costs.estimate,
-                self.row_costs.rest_s,
+            streams = sum(1 for r in requests if r.decoding)
+            predicted = schedule.micro_batches(
+                streams, self.spec.stages, self.spec.max_batch, self.row_costs.estimate, self.row_costs.rest_s
             )
+            batches = predicted
+            if self.spec.max_batch > 1:
+                batches = self.batch_rates.pick(streams, predicted, max(1, min(self.spec.stages, streams)))
             action = schedule.plan(
                 requests,
                 len(self.in_flight),
@@ -182,6 +184,7 @@ class Leader:
             elif isinstance(action, schedule.FeedBatch):
                 self.feed_rows(action.rows)
             else:
+                self.batch_rates.disturb()  # a prefill chunk shares the stages: not a decode-only segment
                 self.feed(action)
             self.drain()
 
@@ -325,12 +328,14 @@ class Leader:
         self.last_progress = time.monotonic()
         self._observe(f, res.trace)
         if not f.rows:
+            self.batch_rates.disturb()
             self._took(m.RowResult(request_id=f.request_id, **res.model_dump(include=TOKEN_FIELDS)), logits)
             return
         if [r.request_id for r in res.rows] != list(f.rows):
             raise ProtocolError(f"result of batched step {res.seq} does not match its rows")
         round_trip = self.last_progress - f.sent_at if f.alone else None
         self.row_costs.observe(len(f.rows), res.trace, round_trip)
+        self.batch_rates.observe(self.last_progress, sum(1 for r in res.rows if r.token is not None))
         for i, row in enumerate(res.rows):
             self._took(row, logits[i] if logits is not None else None)
 

@@ -97,3 +97,15 @@ def test_fast_exp_on_model_shaped_scores():
     want = _stock(q, k, v, scale=0.125, mask="causal")
     got = BoundedAttention(_stock, 128 * 768)(q, k, v, cache=None, scale=0.125, mask="causal")
     assert float(mx.abs(got - want).max()) < 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_bench_attention_times_every_kernel_and_checks_them():
+    from shardline.bench.attention import measure
+
+    out = measure({"heads": 4, "kv_heads": 2, "head_dim": 16}, [64, 200], n=8, rounds=2)
+    assert set(out) == {"64", "200"}
+    for figures in out.values():
+        assert set(figures["seconds"]) == {"stock", "tiled_exp", "runner"}
+        assert all(len(t) == 2 and min(t) > 0 for t in figures["seconds"].values())
+        assert max(figures["max_abs_error"].values()) < 1e-5

@@ -35,6 +35,18 @@ def test_deadline_grows_with_chunk_size_and_context():
 
 
 @pytest.mark.timeout(10)
+def test_deadline_grows_with_the_cache_a_step_reserves():
+    speed = Speed(attn_keys=384)
+    speed.observe(1, 1, 0.02)
+    speed.observe(128, 128, 0.2)
+    policy = DeadlinePolicy(floor=0.1, ceiling=1000.0, slack=10.0)
+    plain = policy.step(speed, 128, 128)
+    small, large = policy.step(speed, 128, 128, reserve=1024), policy.step(speed, 128, 128, reserve=16384)
+    assert plain < small < large
+    assert large - plain == pytest.approx(16 * (small - plain), rel=1e-6)  # proportional to the reserve
+
+
+@pytest.mark.timeout(10)
 def test_deadline_is_clamped_and_speed_only_grows():
     speed = Speed(attn_keys=100)
     policy = DeadlinePolicy(floor=2.0, ceiling=30.0, slack=10.0)

@@ -84,6 +84,23 @@ def test_judge_uses_the_steps_own_deadline_and_arrival_time():
 
 
 @pytest.mark.timeout(10)
+def test_a_step_that_reserves_a_long_prompts_cache_gets_the_time_to_allocate_it():
+    """A long prompt's first chunk allocates the KV cache for the whole prompt: slow, and not a stall."""
+    s = _serving()
+    warmup = [m.StepTime(n=1, context=1, seconds=0.02), m.StepTime(n=128, context=128, seconds=0.2)]
+    cs.apply(s, m.Ready(stage=1, pid=11, weight_bytes=1, layers=(1, 2), warmup=warmup), 0, 100.0)
+    plain = m.Heartbeat(stage=1, steps=3, busy=True, busy_for_s=3.0, busy_n=128, busy_context=128)
+    cs.apply(s, plain, 0, 100.0)
+    assert "stalled: one step of 128 positions" in cs.judge(s, CFG, 100.1)  # 3 s for a 0.2 s chunk
+    reserving = plain.model_copy(update={"busy_reserve": 16385})
+    cs.apply(s, reserving, 0, 100.0)
+    assert cs.judge(s, CFG, 100.1) is None
+    late = reserving.model_copy(update={"busy_for_s": 1000.0})
+    cs.apply(s, late, 0, 100.0)
+    assert "stalled" in cs.judge(s, CFG, 100.1)  # bounded all the same
+
+
+@pytest.mark.timeout(10)
 def test_other_generations_and_stages_are_dropped():
     s = _serving()
     cs.apply(s, m.RunnerExited(generation=7, stage=0, pid=1, code=1), 7, 100.0)

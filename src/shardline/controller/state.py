@@ -215,7 +215,7 @@ def _stage_problem(state: InstanceState, cfg: ControllerConfig, now: float, stag
     hb = v.heartbeat
     if hb is not None and hb.busy:
         running = hb.busy_for_s + (now - v.heartbeat_at)
-        deadline = cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context)
+        deadline = cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context, hb.busy_reserve)
         if running > deadline:
             return (
                 f"stage {stage} stalled: one step of {hb.busy_n} positions running for {running:.1f}s "

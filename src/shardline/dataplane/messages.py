@@ -237,6 +237,7 @@ class Heartbeat(Wire):
     busy_for_s: float = 0.0  # how long the current step has been running (0 when idle)
     busy_n: int = 0  # the current step's positions and the keys it attends to: its deadline scales with them
     busy_context: int = 0
+    busy_reserve: int = 0  # KV positions the current step allocates: a long prompt's first chunk does
     last_step: StepTime | None = None
     peak_bytes: int = 0  # MLX peak since the runner became ready
     kv_bytes: int = 0

@@ -33,6 +33,7 @@ class InFlight:
     n: int
     context: int
     rows: tuple[str, ...] = ()  # a batched step's requests, in row order
+    reserve: int = 0  # KV positions the step allocates (a prompt's first chunk)
     sent_at: float = 0.0
     alone: bool = False  # nothing else was in flight: its time around the ring has no queueing in it
     step: m.Step | None = None  # as sent: with a split head, the leader samples it
@@ -125,7 +126,9 @@ class Leader:
         """How long the next result may take: every in-flight step through every stage, with slack.
 
         A backstop for lost messages, later than a stalled stage's own watchdog so that names it first."""
-        estimate = sum(s.estimate(f.n, f.context) for f in self.in_flight.values() for s in self.stage_speed)
+        estimate = sum(
+            s.estimate(f.n, f.context, f.reserve) for f in self.in_flight.values() for s in self.stage_speed
+        )
         factor = max(3.0, self.spec.watchdog_factor + 1.0)
         return factor * self.r.policy.clamp(estimate)
 
@@ -289,7 +292,7 @@ class Leader:
             reserve=len(self.requests[step.request_id].known) + 1 if step.pos == 0 else 0,
         )
         tokens = self.requests[step.request_id].known[step.pos : step.pos + step.n]
-        self._send(msg, InFlight(step.request_id, step.n, step.pos + step.n), [tokens])
+        self._send(msg, InFlight(step.request_id, step.n, step.pos + step.n, reserve=msg.reserve), [tokens])
 
     def feed_rows(self, steps: tuple[schedule.FeedStep, ...]) -> None:
         rows = [self._sent(step) for step in steps]

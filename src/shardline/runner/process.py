@@ -63,7 +63,8 @@ class Runner:
         self.downstream: Outbox | None = None
         self.events: Outbox | None = None
         self.leader: Any = None
-        self.busy: tuple[float, int, int] | None = None  # (since, n, context) of the step being computed
+        # (since, n, context, reserve) of the step being computed
+        self.busy: tuple[float, int, int, int] | None = None
         self.last_step: m.StepTime | None = None
         self.phase: str = "loading"
         self.weight_bytes = 0
@@ -180,6 +181,7 @@ class Runner:
                 busy_for_s=busy_for,
                 busy_n=busy[1] if busy else 0,
                 busy_context=busy[2] if busy else 0,
+                busy_reserve=busy[3] if busy else 0,
                 last_step=self.last_step,
                 peak_bytes=mx.get_peak_memory(),
                 kv_bytes=w.kv_bytes() if w else 0,
@@ -189,7 +191,7 @@ class Runner:
                 requests=len(self.leader.requests) if self.leader else len(w.caches) if w else 0,
             )
             if busy is not None:
-                watchdog = self.spec.watchdog_factor * self.policy.step(self.speed, busy[1], busy[2])
+                watchdog = self.spec.watchdog_factor * self.policy.step(self.speed, *busy[1:])
                 if busy_for > watchdog:
                     # Our own watchdog: a step this far past its deadline means this process is wedged (a
                     # stuck kernel, a lost peer). Exit with a typed reason rather than limp on.
@@ -223,7 +225,7 @@ class Runner:
         assert self.worker is not None
         context = step.keys
         started = time.monotonic()
-        self.busy = (started, step.n, context)
+        self.busy = (started, step.n, context, step.reserve)
         phase = step_phase(step)
         try:
             self.faults.maybe_fire(phase, self.worker.steps)

@@ -44,6 +44,9 @@ def test_deadline_grows_with_the_cache_a_step_reserves():
     small, large = policy.step(speed, 128, 128, reserve=1024), policy.step(speed, 128, 128, reserve=16384)
     assert plain < small < large
     assert large - plain == pytest.approx(16 * (small - plain), rel=1e-6)  # proportional to the reserve
+    # A reserving step's allocation is not read as slow compute: later steps keep their deadlines.
+    speed.observe(128, 128, 0.2 + 0.1 * 16384 * speed.per_work_s, reserve=16384)
+    assert policy.step(speed, 128, 128) == pytest.approx(plain, rel=1e-6)
 
 
 @pytest.mark.timeout(10)

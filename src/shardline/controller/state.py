@@ -179,7 +179,8 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
         view.heartbeat = msg
         view.heartbeat_at = received_at
         if msg.last_step is not None:
-            speed.observe(msg.last_step.n, msg.last_step.context, msg.last_step.seconds)
+            t = msg.last_step
+            speed.observe(t.n, t.context, t.seconds, t.reserve)
     elif isinstance(msg, m.RunnerFailed):
         view.failed = view.failed or msg
 

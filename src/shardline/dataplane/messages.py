@@ -38,6 +38,7 @@ class StepTime(Wire):
     n: int
     context: int
     seconds: float
+    reserve: int = 0  # KV positions the step allocated
 
 
 # ---- ring: stage to stage, in order -------------------------------------------------------------------

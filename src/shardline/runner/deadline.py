@@ -32,12 +32,12 @@ class Speed:
     base_s: float = 0.0  # slowest small step: fixed cost of a step (weights read, framework overhead)
     per_work_s: float = 0.0  # slowest cost per work unit of larger steps, beyond base_s
 
-    def observe(self, n: int, context: int, seconds: float) -> None:
+    def observe(self, n: int, context: int, seconds: float, reserve: int = 0) -> None:
         if n <= SMALL_STEP:
             self.base_s = max(self.base_s, seconds)
         else:
             extra = max(0.0, seconds - self.base_s)
-            self.per_work_s = max(self.per_work_s, extra / work(n, context, self.attn_keys))
+            self.per_work_s = max(self.per_work_s, extra / work(n, context, self.attn_keys, reserve))
 
     def estimate(self, n: int, context: int, reserve: int = 0) -> float:
         return self.base_s + self.per_work_s * work(n, context, self.attn_keys, reserve)

@@ -120,7 +120,7 @@ class Leader:
             return
         context = step.context if isinstance(step, InFlight) else step.pos + step.n
         for speed, seconds in zip(self.stage_speed, trace, strict=True):
-            speed.observe(step.n, context, seconds)
+            speed.observe(step.n, context, seconds, step.reserve)
 
     def result_timeout(self) -> float:
         """How long the next result may take: every in-flight step through every stage, with slack.

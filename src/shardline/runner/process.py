@@ -234,8 +234,8 @@ class Runner:
         finally:
             self.busy = None
         seconds = time.monotonic() - started
-        self.speed.observe(step.n, context, seconds)
-        self.last_step = m.StepTime(n=step.n, context=context, seconds=seconds)
+        self.last_step = m.StepTime(n=step.n, context=context, seconds=seconds, reserve=step.reserve)
+        self.speed.observe(step.n, context, seconds, step.reserve)
         return out.model_copy(update={"trace": [*step.trace, seconds]}), tensor
 
     # ---- follower ----------------------------------------------------------------------------------------

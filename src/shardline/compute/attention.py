@@ -17,6 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from shardline.compute.fastmath import exp2_nonpositive
+
 # Scores per head above which the tiled path is taken; also the tile size in keys for a chunk of n queries.
 DEFAULT_SCORE_BUDGET = 256 * 1024
 # Keys per tile for a runner's chunk: large tiles keep the matmuls big and the syncs few (one per tile).
@@ -30,38 +32,25 @@ def score_budget(prefill_step: int) -> int:
     return max(1, prefill_step) * TILE_KEYS
 
 
-# 2 * 2**f on (-1, 0]: a degree-5 fit for relative error, within 3e-7 of exp2 when evaluated in float32.
-_EXP2_POLY = tuple(
-    2 * c
-    for c in (
-        0.9999999250699043,
-        0.693142252645196,
-        0.24017218924347988,
-        0.05527972204224485,
-        0.00918861075187588,
-        0.000938787840926214,
-    )
-)
-
-
-def exp2_nonpositive(x: mx.array) -> mx.array:
-    """2**x for float32 x <= 0 (-inf included), from vectorised ops only.
-
-    The result is exactly 0 at or below 2**-126 and a normal float above it, never a subnormal: real
-    attention has many keys far below the row's maximum, and subnormal arithmetic is many times slower on
-    x86. The value is (2 * 2**frac) * 2**(whole - 1), the second factor written straight into the exponent
-    bits, where an exponent field of 0 reads as 0.0."""
-    x = mx.maximum(x, -126.0)
-    whole = x.astype(mx.int32)  # rounds toward zero, so the fraction lies in (-1, 0]
-    frac = x - whole.astype(mx.float32)
-    p = _EXP2_POLY[-1]
-    for c in _EXP2_POLY[-2::-1]:
-        p = p * frac + c
-    return p * mx.left_shift(whole + 126, 23).view(mx.float32)
-
-
 def _exp_base2(x: mx.array) -> mx.array:
     return mx.exp(x * math.log(2.0))
+
+
+def decode_queries(q: mx.array, scale: float, kv_heads: int) -> mx.array:
+    """Decode queries (B, H, 1, D) -> scaled and grouped by KV head, (B, Hkv, H / Hkv, D)."""
+    b, h, _, d = q.shape
+    return (q * scale).reshape(b, kv_heads, h // kv_heads, d)
+
+
+def decode_attention(qg: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+    """One decode position of one request on CPU: qg (1, Hkv, rep, D) from `decode_queries` over its
+    cache's keys and values (1, Hkv, L, D) -> (1, Hkv, rep, D).
+
+    The stock kernel falls back to the same math on CPU in about twice the ops; ops, not arithmetic, are
+    what a decode position's attention costs, once per request in a batch. The lone path and the batched
+    one (`batched.decode_block`) both come here, so a request computes the same bits in either."""
+    scores = qg @ keys.swapaxes(-1, -2)
+    return mx.softmax(scores, axis=-1, precise=True) @ values
 
 
 def tiled_causal_attention(
@@ -113,9 +102,15 @@ class BoundedAttention:
     def __call__(self, queries, keys, values, cache, scale, mask, sinks=None):  # type: ignore[no-untyped-def]
         n, length = queries.shape[2], keys.shape[2]
         on_cpu = mx.default_device() == mx.cpu
-        stock = n == 1 or (n * length <= self.score_budget and not on_cpu)
         masked = mask is not None and not isinstance(mask, str)  # an explicit mask array: not causal alone
-        if stock or masked or sinks is not None or hasattr(cache, "bits"):
+        if masked or sinks is not None or hasattr(cache, "bits"):
+            return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if n == 1:
+            if not on_cpu or queries.shape[0] != 1:
+                return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            qg = decode_queries(queries, scale, keys.shape[1])
+            return decode_attention(qg, keys, values).reshape(queries.shape)
+        if n * length <= self.score_budget and not on_cpu:
             return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         key_block = max(64, self.score_budget // n)
         return tiled_causal_attention(queries, keys, values, scale, key_block, fast_exp=on_cpu)

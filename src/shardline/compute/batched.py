@@ -2,9 +2,10 @@
 
 Each row is one position of its own request, with its own KV cache and position. The projections and the
 MLP run on all rows together (one matmul each, where decode's cost is reading the weights); attention runs
-per row, against that row's cache. The code follows mlx-lm's llama / qwen2 / qwen3 blocks op for op, so a
-row computes what the model's own forward computes for it alone, up to the BLAS kernel's choice for the
-number of rows (measured by `shardline bench engine`).
+per row, against that row's cache. The code follows mlx-lm's llama / qwen2 / qwen3 blocks op for op, and
+attention is the function the model's own forward takes for one position (`attention.decode_attention` on
+CPU), so a row computes what it computes alone, up to the BLAS kernel's choice for the number of rows
+(measured by `shardline bench engine`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from shardline.compute.attention import decode_attention, decode_queries
 
 
 def decode_block(block: Any, h: mx.array, caches: list[Any]) -> mx.array:
@@ -28,10 +31,24 @@ def decode_block(block: Any, h: mx.array, caches: list[Any]) -> mx.array:
     offsets = mx.array([c.offset for c in caches])
     q = attn.rope(q, offset=offsets)
     k = attn.rope(k, offset=offsets)
-    outs = []
-    for i, cache in enumerate(caches):
-        keys, values = cache.update_and_fetch(k[i : i + 1], v[i : i + 1])
-        outs.append(mx.fast.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=attn.scale))
-    o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]
-    h = h + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(rows, 1, -1))
+    if mx.default_device() == mx.cpu:
+        # Scaling and grouping the queries once for every row leaves the loop only what is per request.
+        qg = decode_queries(q, attn.scale, attn.n_kv_heads)
+        if rows > 1:
+            qs, ks, vs = (mx.split(t, rows, axis=0) for t in (qg, k, v))
+        else:
+            qs, ks, vs = [qg], [k], [v]
+        outs = []
+        for i, cache in enumerate(caches):
+            keys, values = cache.update_and_fetch(ks[i], vs[i])
+            outs.append(decode_attention(qs[i], keys, values))
+        o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]  # (rows, Hkv, rep, D): heads in order
+    else:
+        outs = []
+        for i, cache in enumerate(caches):
+            keys, values = cache.update_and_fetch(k[i : i + 1], v[i : i + 1])
+            outs.append(mx.fast.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=attn.scale))
+        o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]
+        o = o.transpose(0, 2, 1, 3)
+    h = h + attn.o_proj(o.reshape(rows, 1, -1))
     return h + block.mlp(block.post_attention_layernorm(h))

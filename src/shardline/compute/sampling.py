@@ -7,6 +7,8 @@ import math
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardline.compute import fastmath
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -104,7 +106,9 @@ def _pick(
     """The lazy graph of one token's choice: nothing is evaluated here."""
     logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
     logits = apply_output_penalties(logits, output or [], params.presence_penalty, params.frequency_penalty)
-    logprobs = logits - mx.logsumexp(logits)
+    # On CPU the vocabulary's exp is most of a greedy step's sampling, and MLX's runs element by element.
+    on_cpu = mx.default_device() == mx.cpu
+    logprobs = logits - (fastmath.logsumexp(logits) if on_cpu else mx.logsumexp(logits))
     if params.greedy:
         chosen = mx.argmax(logits)
     else:

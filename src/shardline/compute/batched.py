@@ -31,24 +31,19 @@ def decode_block(block: Any, h: mx.array, caches: list[Any]) -> mx.array:
     offsets = mx.array([c.offset for c in caches])
     q = attn.rope(q, offset=offsets)
     k = attn.rope(k, offset=offsets)
-    if mx.default_device() == mx.cpu:
-        # Scaling and grouping the queries once for every row leaves the loop only what is per request.
-        qg = decode_queries(q, attn.scale, attn.n_kv_heads)
-        if rows > 1:
-            qs, ks, vs = (mx.split(t, rows, axis=0) for t in (qg, k, v))
+    on_cpu = mx.default_device() == mx.cpu
+    # The queries scaled and grouped once for every row, and each tensor split into rows by one op: the loop
+    # keeps only what is per request.
+    qq = decode_queries(q, attn.scale, attn.n_kv_heads) if on_cpu else q
+    qs, ks, vs = (mx.split(t, rows, axis=0) if rows > 1 else [t] for t in (qq, k, v))
+    outs = []
+    for i, cache in enumerate(caches):
+        keys, values = cache.update_and_fetch(ks[i], vs[i])
+        if on_cpu:
+            outs.append(decode_attention(qs[i], keys, values))  # (1, Hkv, rep, D)
         else:
-            qs, ks, vs = [qg], [k], [v]
-        outs = []
-        for i, cache in enumerate(caches):
-            keys, values = cache.update_and_fetch(ks[i], vs[i])
-            outs.append(decode_attention(qs[i], keys, values))
-        o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]  # (rows, Hkv, rep, D): heads in order
-    else:
-        outs = []
-        for i, cache in enumerate(caches):
-            keys, values = cache.update_and_fetch(k[i : i + 1], v[i : i + 1])
-            outs.append(mx.fast.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=attn.scale))
-        o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]
-        o = o.transpose(0, 2, 1, 3)
+            o = mx.fast.scaled_dot_product_attention(qs[i], keys, values, scale=attn.scale)
+            outs.append(o.transpose(0, 2, 1, 3))  # (1, 1, H, D)
+    o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]  # either way a row's heads lie in order
     h = h + attn.o_proj(o.reshape(rows, 1, -1))
     return h + block.mlp(block.post_attention_layernorm(h))

@@ -16,6 +16,7 @@ from mlx_lm.utils import load_config, load_model
 from shardline.cluster.weights import SHARD_MANIFEST, missing_tensors
 from shardline.compute import attention
 from shardline.compute.batched import decode_block
+from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.models.errors import CorruptModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -185,6 +186,11 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
         _check_partial(model, Path(model_dir), layers)
     module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
     attention.install(module, score_budget or attention.DEFAULT_SCORE_BUDGET)
+    if mx.default_device() == mx.cpu:
+        for layer in inner.layers:  # one layer at a time: never every weight in both layouts at once
+            make_input_major(layer)
+        if "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head
+            model.lm_head = InputMajorLinear.of(model.lm_head)
     mx.eval(model.parameters())
     gc.collect()
     shard = Shard(model, layers, config)

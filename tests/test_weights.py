@@ -19,29 +19,24 @@ import mlx.core as mx
 import pytest
 import zenoh
 
-from shardline.cluster.weights import (
-    SHARD_MANIFEST,
-    WEIGHTS_FILE,
-    ChunkRequest,
-    ErrorReply,
-    FetchStats,
+from shardline.cluster.weights.errors import ModelNotOnSourceError, SourceUnavailableError, WeightsError
+from shardline.cluster.weights.fetch import FetchStats, fetch_shard
+from shardline.cluster.weights.files import SHARD_MANIFEST, WEIGHTS_FILE
+from shardline.cluster.weights.manifest import (
     FileEntry,
     Manifest,
-    ModelNotOnSourceError,
     ModelPresence,
     SourceInfo,
-    SourceUnavailableError,
     StageSpan,
     TensorEntry,
-    WeightsError,
-    WeightServer,
-    fetch_shard,
     local_models,
     model_manifest,
     read_shard_manifest,
     tensors_for,
-    verify_shard,
 )
+from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply
+from shardline.cluster.weights.server import WeightServer
+from shardline.cluster.weights.verify import verify_shard
 from shardline.compute.shard import LayerRange, load_shard, split_layers
 from shardline.dataplane.transport import open_session
 from shardline.models.errors import CorruptModelError

@@ -28,7 +28,10 @@ from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys, node_from_key
 from shardline.cluster.placement import footprint_from_dir
 from shardline.cluster.resources import compute_score, device_kind, node_identity, resources
-from shardline.cluster.weights import WeightServer, fetch_shard, local_models, verify_shard
+from shardline.cluster.weights.fetch import fetch_shard
+from shardline.cluster.weights.manifest import local_models
+from shardline.cluster.weights.server import WeightServer
+from shardline.cluster.weights.verify import verify_shard
 from shardline.controller.settings import RunSettings
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode, encode

@@ -13,7 +13,8 @@ from mlx_lm.models import cache as kv_cache
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import load_config, load_model
 
-from shardline.cluster.weights import SHARD_MANIFEST, missing_tensors
+from shardline.cluster.weights.files import SHARD_MANIFEST
+from shardline.cluster.weights.verify import missing_tensors
 from shardline.compute import attention
 from shardline.compute.batched import decode_block
 from shardline.compute.linear import InputMajorLinear, make_input_major
@@ -165,7 +166,7 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
     """Materialise only this stage's weights: everything else stays a lazy, never-read array."""
     config = load_config(Path(model_dir))
     check_architecture(config)
-    # A stage directory fetched from a peer (cluster/weights.py) holds only its own tensors, which strict
+    # A stage directory fetched from a peer (cluster/weights/) holds only its own tensors, which strict
     # loading refuses; load it leniently, then require every tensor this stage keeps (_check_partial).
     partial = (Path(model_dir) / SHARD_MANIFEST).is_file()
     model, config = load_model(Path(model_dir), lazy=True, strict=not partial)

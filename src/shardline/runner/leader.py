@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -13,16 +13,15 @@ from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.transport import DeadlineExceeded, Envelope
+from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Outbox
 from shardline.runner import schedule
 from shardline.runner.batch_rates import BatchRates
-from shardline.runner.deadline import Speed
+from shardline.runner.deadline import DeadlinePolicy, Speed
+from shardline.runner.faults import Faults
 from shardline.runner.row_costs import RowCosts
-from shardline.runner.worker import WARMUP_ID, ProtocolError
-
-if TYPE_CHECKING:
-    from shardline.runner.process import Runner
-
+from shardline.runner.signals import RejoinRequested, StopRunner
+from shardline.runner.spec import RunnerSpec
+from shardline.runner.worker import WARMUP_ID, ProtocolError, StageWorker
 
 TOKEN_FIELDS = {"token", "logprob", "top_logprobs"}
 
@@ -39,8 +38,22 @@ class InFlight:
     step: m.Step | None = None  # as sent: with a split head, the leader samples it
 
 
+class StageHost(Protocol):
+    """What the leader uses of its stage's runner process (runner/process.py), without importing it."""
+
+    spec: RunnerSpec
+    worker: StageWorker | None
+    inbox: Inbox
+    downstream: Outbox | None
+    events: Outbox | None
+    faults: Faults
+    policy: DeadlinePolicy
+
+    def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]: ...
+
+
 class Leader:
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: StageHost) -> None:
         self.r = runner
         self.spec = runner.spec
         assert runner.worker is not None
@@ -107,8 +120,6 @@ class Leader:
                     self.early.append(env)  # a front that heard early: served, in order, once warm
                     continue
                 if isinstance(msg, m.Rejoin):
-                    from shardline.runner.process import RejoinRequested
-
                     raise RejoinRequested(msg.spec)
                 self.r.inbox.drop(f"{msg.kind} during ring warm-up")
         self.worker.release(WARMUP_ID)
@@ -200,14 +211,10 @@ class Leader:
         elif isinstance(msg, m.Cancel):
             self.on_cancel(msg.request_id)
         elif isinstance(msg, m.Rejoin):
-            from shardline.runner.process import RejoinRequested
-
             raise RejoinRequested(msg.spec)
         elif isinstance(msg, m.Shutdown):
             if self.r.downstream is not None:
                 self.r.downstream.send(m.Stop())
-            from shardline.runner.process import StopRunner
-
             raise StopRunner
         elif isinstance(msg, m.StepResult):
             self.on_result(msg, env)

@@ -23,23 +23,13 @@ from shardline.dataplane.frame import FrameError
 from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, TransportError, open_session
 from shardline.runner.deadline import DeadlinePolicy, Speed
 from shardline.runner.faults import Faults
+from shardline.runner.leader import Leader
+from shardline.runner.signals import RejoinRequested, StopRunner
 from shardline.runner.spec import RunnerSpec
 from shardline.runner.worker import ProtocolError, StageWorker
 
 EXIT_FAILED = 3
 WARMUP_CHUNK_MAX = 512  # a warm-up chunk as large as a prefill chunk, within reason
-
-
-class StopRunner(Exception):
-    pass
-
-
-class RejoinRequested(Exception):
-    """The node agent hands this process a stage of a newer generation (same layers): relink, keep weights."""
-
-    def __init__(self, spec: RunnerSpec) -> None:
-        super().__init__(f"rejoin as generation {spec.generation} stage {spec.stage}")
-        self.spec = spec
 
 
 def step_phase(step: m.Step) -> str:
@@ -141,8 +131,6 @@ class Runner:
             )
             self.downstream.wait_matched(spec.load_timeout, abort=self._abort_wait)
         if spec.is_leader:
-            from shardline.runner.leader import Leader
-
             # Not waiting for a front to listen: in a cluster, fronts come and go; a front subscribes to
             # events before it submits anything, so nothing it needs can be missed.
             self.events = Outbox(self.session, self.keys.events, spec.generation)

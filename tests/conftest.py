@@ -12,13 +12,12 @@ import psutil
 import pytest
 
 from shardline.engine.engine import Engine, EngineConfig
+from shardline.testing.cluster import FAST_RUNNERS
 from shardline.testing.tiny import make_tiny_model
 
 STEP = 8  # prefill step used with tiny models: small, so every chunking edge is cheap to reach
-# Short liveness settings, so failures are found (and tests end) in seconds.
-FAST = dict(
-    heartbeat_s=0.2, heartbeat_timeout=1.5, step_deadline_floor=1.0, step_timeout=10.0, backoff_s=0.05
-)
+# Short liveness settings, so failures are found (and tests end) in seconds: the ones clusters get too.
+FAST = FAST_RUNNERS
 
 
 @pytest.fixture(scope="session")

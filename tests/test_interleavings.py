@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import psutil
 import pytest
-from conftest import STEP, assert_no_runner_left, random_prompt
+from conftest import FAST, STEP, assert_no_runner_left, random_prompt
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -41,16 +41,7 @@ from shardline.front.request import RequestHandle
 from shardline.testing.reference import Reference
 
 STAGES = 2
-FAST_ENGINE = dict(
-    prefill_step=STEP,
-    heartbeat_s=0.2,
-    heartbeat_timeout=1.5,
-    step_deadline_floor=1.0,
-    step_timeout=5.0,
-    backoff_s=0.05,
-    load_timeout=60.0,
-    max_restarts=50,
-)
+FAST_ENGINE = {**FAST, "prefill_step": STEP, "step_timeout": 5.0, "max_restarts": 50}
 END_BOUND_S = 60.0  # every handle ends within this once the threads are done (two recoveries take ~8 s)
 SHUTDOWN_BOUND_S = 30.0  # engine.shutdown() returns within this, from any thread, at any moment
 JOIN_BOUND_S = 60.0  # the threads' programs end within this (waits are bounded, nothing else blocks)

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from shardline.controller import settings
+
 
 class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
@@ -18,11 +20,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="model name or mlx-lm model directory (default: the built-in model)"
     )
     p.add_argument("--stages", type=int, default=2, help="pipeline stages, one local runner process each")
-    p.add_argument("--prefill-step", type=int, default=256, help="prompt tokens per prefill chunk")
+    p.add_argument(
+        "--prefill-step",
+        type=int,
+        default=settings.default("prefill_step"),
+        help="prompt tokens per prefill chunk",
+    )
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=60.0,
+        default=settings.default("step_timeout"),
         help="ceiling of the step deadline in seconds (deadlines scale with each step and measured speed)",
     )
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardline.controller import settings
+
 DEFAULT_PORT = 7447
 
 
@@ -59,7 +61,7 @@ def _secret_file(args: argparse.Namespace) -> Path | None:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from shardline.cli import _positive
-    from shardline.cluster.node import Node, NodeConfig, RunnerSettings
+    from shardline.cluster.node import ClusterInstanceSettings, Node, NodeConfig
     from shardline.cluster.resources import parse_size
 
     for value, flag in (
@@ -68,7 +70,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         (args.max_batch, "--max-batch"),
     ):
         _positive(value, flag)
-    runners = RunnerSettings.model_validate_json(args.runner_settings or "{}").model_copy(
+    runners = ClusterInstanceSettings.model_validate_json(args.runner_settings or "{}").model_copy(
         update={"prefill_step": args.prefill_step, "max_queue": args.max_queue, "max_batch": args.max_batch}
     )
     config = NodeConfig(
@@ -277,10 +279,13 @@ def add_commands(sub: Any) -> None:
     node.add_argument("--no-worker", action="store_true", help="never hold a stage")
     node.add_argument("--name", default=None)
     node.add_argument("--threads", type=int, default=0, help="threads per runner (0: cores / stages)")
-    node.add_argument("--prefill-step", type=int, default=256)
-    node.add_argument("--max-queue", type=int, default=256)
+    node.add_argument("--prefill-step", type=int, default=settings.default("prefill_step"))
+    node.add_argument("--max-queue", type=int, default=settings.default("max_queue"))
     node.add_argument(
-        "--max-batch", type=int, default=16, help="decode positions of different requests per step (1: none)"
+        "--max-batch",
+        type=int,
+        default=settings.default("max_batch"),
+        help="decode positions of different requests per step (1: none)",
     )
     node.add_argument("--runner-settings", default=None, help="JSON: deadlines, heartbeats, restart budget")
     node.add_argument("--lease-ms", type=int, default=2000, help="a node silent this long has left")

@@ -23,7 +23,7 @@ from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.placement import ModelFootprint, PlacementError, place
 from shardline.controller.controller import InstanceController, Launch, LayoutError
-from shardline.controller.state import Failure, stage_phase
+from shardline.controller.state import ControllerConfig, Failure, stage_phase
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys
 from shardline.runner.spec import RunnerSpec
@@ -124,7 +124,7 @@ class Master:
     def _start(self, rec: cm.InstanceRecord, adopt: bool, lost: list[int] | None = None) -> None:
         node = self.node
         r = node.config.runners
-        ccfg = r.controller_config(max(1, len(rec.stages)))
+        ccfg = ControllerConfig.of(r, max(1, len(rec.stages)))
         keys = Keys(rec.instance, 0, node.config.namespace)
         c = InstanceController(
             node.session,
@@ -225,7 +225,7 @@ class Master:
             connect=[endpoint],
             listen=[f"tcp/{host}:0"],
             kv_budget_bytes=rec.kv_budget_bytes,
-            **r.spec_fields(),
+            **r.settings_fields(),
         )
         threads = self.node.config.threads or 1
         return m.StartRunner(spec=spec, threads=threads, sources=sources, term=self.term, view_seq=self._seq)

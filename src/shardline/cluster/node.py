@@ -32,7 +32,7 @@ from shardline.cluster.weights.fetch import fetch_shard
 from shardline.cluster.weights.manifest import local_models
 from shardline.cluster.weights.server import WeightServer
 from shardline.cluster.weights.verify import verify_shard
-from shardline.controller.settings import RunSettings
+from shardline.controller.settings import InstanceSettings
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode, encode
 from shardline.dataplane.transport import Link, open_session
@@ -43,8 +43,8 @@ log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
 
 
-class RunnerSettings(RunSettings):
-    """How the master configures the runners it starts and judges them."""
+class ClusterInstanceSettings(InstanceSettings):
+    """How a master configures the runners it starts and judges them: instance settings, its own policy."""
 
     reuse_survivors: bool = True  # after a failure, stages it did not blame keep their process and weights
 
@@ -67,7 +67,7 @@ class NodeConfig(BaseModel):
     report_s: float = Field(0.5, gt=0)
     lease_ms: int = Field(2000, ge=200)
     settle_s: float = Field(1.5, ge=0)  # listen this long for a sitting master before claiming
-    runners: RunnerSettings = RunnerSettings()
+    runners: ClusterInstanceSettings = ClusterInstanceSettings()
     api: ApiSettings | None = None  # the HTTP API this node serves; None: none
 
     def resolved_data_dir(self) -> Path:

@@ -1,6 +1,8 @@
-"""How runners and their controller behave: chunking, deadlines, heartbeats, the restart budget.
+"""How an instance's runners and their controller behave: chunking, deadlines, heartbeats, the restart budget.
 
-One set of knobs for a local engine and for a cluster's master, so the two never drift apart.
+The one definition of each of these settings (its name, its default, its bounds). A local engine's config,
+a cluster's runner settings, the controller's config and the spec a runner process is started with all
+extend this class, so a setting cannot be spelled or defaulted differently in two places.
 """
 
 from __future__ import annotations
@@ -9,16 +11,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardline.controller.state import ControllerConfig
+from shardline.runner.deadline import DeadlinePolicy
 
 
-class RunSettings(BaseModel):
+class InstanceSettings(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     prefill_step: int = Field(256, ge=1)
     max_batch: int = Field(16, ge=1)  # decode positions of different requests batched in one step
     # A step may take deadline_slack x its estimate (from its size and the stage's measured speed, seeded by
-    # warm-up), within [step_deadline_floor, step_timeout]. The runner watchdog waits watchdog_factor x that.
+    # warm-up), within [step_deadline_floor, step_timeout]. The runner watchdog waits watchdog_factor x that,
+    # so the controller names a stall first when it can.
     step_timeout: float = Field(60.0, gt=0)
     step_deadline_floor: float = Field(2.0, gt=0)
     deadline_slack: float = Field(10.0, gt=0)
@@ -32,30 +35,15 @@ class RunSettings(BaseModel):
     backoff_max_s: float = Field(5.0, ge=0)
     max_queue: int = Field(256, ge=1)  # requests waiting at a front; one more is refused with OverloadError
 
-    def controller_config(self, stages: int) -> ControllerConfig:
-        return ControllerConfig(
-            stages=stages,
-            load_timeout=self.load_timeout,
-            heartbeat_timeout=self.heartbeat_timeout,
-            step_deadline_floor=self.step_deadline_floor,
-            step_deadline_ceiling=self.step_timeout,
-            deadline_slack=self.deadline_slack,
-            max_restarts=self.max_restarts,
-            restart_window_s=self.restart_window_s,
-            backoff_s=self.backoff_s,
-            backoff_max_s=self.backoff_max_s,
-        )
+    @property
+    def policy(self) -> DeadlinePolicy:
+        return DeadlinePolicy(self.step_deadline_floor, self.step_timeout, self.deadline_slack)
 
-    def spec_fields(self) -> dict[str, Any]:
-        """The RunnerSpec fields these settings decide."""
-        return {
-            "prefill_step": self.prefill_step,
-            "max_batch": self.max_batch,
-            "step_deadline_floor": self.step_deadline_floor,
-            "step_deadline_ceiling": self.step_timeout,
-            "deadline_slack": self.deadline_slack,
-            "watchdog_factor": self.watchdog_factor,
-            "load_timeout": self.load_timeout,
-            "heartbeat_s": self.heartbeat_s,
-            "max_waiting": self.max_queue + 16,  # the leader holds a little more than fronts let wait
-        }
+    def settings_fields(self) -> dict[str, Any]:
+        """Just the InstanceSettings fields of this object (a subclass carries more): to build another one."""
+        return {name: getattr(self, name) for name in InstanceSettings.model_fields}
+
+
+def default(name: str) -> Any:
+    """A setting's one default, for command-line flags that set it."""
+    return InstanceSettings.model_fields[name].default

@@ -11,34 +11,24 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from shardline.controller.settings import InstanceSettings
 from shardline.dataplane import messages as m
-from shardline.runner.deadline import DeadlinePolicy, Speed
+from shardline.runner.deadline import Speed
 from shardline.supervisor.diagnostics import Diagnostic
 
 Phase = Literal["idle", "starting", "serving", "backoff", "failed", "stopped"]
 
 
-class ControllerConfig(BaseModel):
-    """What the controller needs to judge and rebuild an instance (a slice of EngineConfig)."""
-
-    model_config = ConfigDict(frozen=True)
+class ControllerConfig(InstanceSettings):
+    """What the controller needs to judge and rebuild an instance: its settings and its number of stages."""
 
     stages: int = Field(2, ge=1)
-    load_timeout: float = Field(180.0, gt=0)
-    heartbeat_timeout: float = Field(4.0, gt=0)
-    step_deadline_floor: float = Field(2.0, gt=0)
-    step_deadline_ceiling: float = Field(60.0, gt=0)
-    deadline_slack: float = Field(10.0, gt=0)
-    max_restarts: int = Field(3, ge=0)
-    restart_window_s: float = Field(120.0, gt=0)
-    backoff_s: float = Field(0.2, ge=0)
-    backoff_max_s: float = Field(5.0, ge=0)
 
-    @property
-    def policy(self) -> DeadlinePolicy:
-        return DeadlinePolicy(self.step_deadline_floor, self.step_deadline_ceiling, self.deadline_slack)
+    @classmethod
+    def of(cls, settings: InstanceSettings, stages: int) -> ControllerConfig:
+        return cls(stages=stages, **settings.settings_fields())
 
 
 @dataclass

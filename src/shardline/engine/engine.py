@@ -23,7 +23,7 @@ from pydantic import Field
 from shardline.cluster.keys import ClusterKeys
 from shardline.compute.shard import check_architecture, split_layers
 from shardline.controller.controller import InstanceController, Launch
-from shardline.controller.settings import RunSettings
+from shardline.controller.settings import InstanceSettings
 from shardline.controller.state import ControllerConfig, Failure
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, open_session
@@ -35,7 +35,7 @@ from shardline.runner.spec import Fault, RunnerSpec
 __all__ = ["ContextLengthError", "Engine", "EngineConfig", "EngineError", "OverloadError", "RequestError"]
 
 
-class EngineConfig(RunSettings):
+class EngineConfig(InstanceSettings):
     model_dir: Path
     stages: int = Field(2, ge=1)
     window: int = Field(0, ge=0)
@@ -56,7 +56,7 @@ class EngineConfig(RunSettings):
     resume: Literal["exact", "fast"] = "exact"
 
     def controller(self) -> ControllerConfig:
-        return self.controller_config(self.stages)
+        return ControllerConfig.of(self, self.stages)
 
 
 def _free_port(host: str) -> int:
@@ -149,7 +149,7 @@ class Engine:
             kv_budget_bytes=self.kv_budget_bytes,
             cpu=cpus[stage % len(cpus)] if cfg.pin_cpus else None,
             fault=inject.get(stage),
-            **cfg.spec_fields(),
+            **cfg.settings_fields(),
         )
         return spec, 1 if cfg.pin_cpus else max(1, len(cpus) // cfg.stages)
 

@@ -21,7 +21,7 @@ from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, lo
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import FrameError
 from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, TransportError, open_session
-from shardline.runner.deadline import DeadlinePolicy, Speed
+from shardline.runner.deadline import Speed
 from shardline.runner.faults import Faults
 from shardline.runner.leader import Leader
 from shardline.runner.signals import RejoinRequested, StopRunner
@@ -45,9 +45,7 @@ class Runner:
         self.inbox = self._inbox(spec)
         self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
         self.faults = Faults(spec.fault)
-        self.policy = DeadlinePolicy(
-            spec.step_deadline_floor, spec.step_deadline_ceiling, spec.deadline_slack
-        )
+        self.policy = spec.policy
         self.speed = Speed()
         self.worker: StageWorker | None = None
         self.downstream: Outbox | None = None

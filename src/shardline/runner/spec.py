@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from shardline.controller.settings import InstanceSettings
+
 
 class Fault(BaseModel):
     """A failure to inject (tests, chaos bench): at `phase`, after `after_steps` steps of this stage.
@@ -24,7 +26,9 @@ class Fault(BaseModel):
     seconds: float = 0.0
 
 
-class RunnerSpec(BaseModel):
+class RunnerSpec(InstanceSettings):
+    """One stage of one instance generation, and the settings it runs under (InstanceSettings' fields)."""
+
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     instance: str
@@ -40,23 +44,17 @@ class RunnerSpec(BaseModel):
     layer_total: int
     connect: list[str]
     listen: list[str] = ["tcp/127.0.0.1:0"]
-    prefill_step: int = 256
     window: int = 0  # steps in flight around the ring; 0 = stages + 1
-    max_batch: int = 16  # decode positions of different requests in one step; 1 = one request per step
-    # Step deadlines: deadline_slack x the step's estimated time, within [floor, ceiling]; the runner's own
-    # watchdog waits watchdog_factor times that, so the controller names a stall first when it can.
-    step_deadline_floor: float = 2.0
-    step_deadline_ceiling: float = 60.0
-    deadline_slack: float = 10.0
-    watchdog_factor: float = 2.0
-    load_timeout: float = 120.0
     score_budget: int = 0  # 0 = compute.attention default
     kv_budget_bytes: int = 0  # the leader admits requests while their KV reservations fit; 0 = no limit
-    max_waiting: int = 1024  # requests the leader holds unadmitted; fronts bound theirs below this
     cpu: int | None = None
     parent_pid: int | None = None
-    heartbeat_s: float = 1.0
     fault: Fault | None = None
+
+    @property
+    def max_waiting(self) -> int:
+        """Requests the leader holds unadmitted: a little more than fronts let wait (max_queue)."""
+        return self.max_queue + 16
 
     @property
     def is_leader(self) -> bool:

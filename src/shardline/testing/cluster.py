@@ -22,7 +22,9 @@ import psutil
 from shardline.cluster.client import ClusterClient
 from shardline.cluster.messages import ClusterView
 
-FAST_RUNNERS = {
+# Overrides of InstanceSettings (controller/settings.py): short liveness settings, so failures are found
+# (and tests end) in seconds. Plain dicts: they travel as `--runner-settings` JSON and as Engine keywords.
+FAST_RUNNERS: dict[str, float] = {
     "heartbeat_s": 0.2,
     "heartbeat_timeout": 1.5,
     "step_deadline_floor": 1.0,
@@ -33,7 +35,12 @@ FAST_RUNNERS = {
 
 
 # The real default model: its steps take longer than a tiny one's; heartbeats may wait behind a long prefill.
-MODEL_RUNNERS = {**FAST_RUNNERS, "step_timeout": 30.0, "step_deadline_floor": 2.0, "heartbeat_timeout": 4.0}
+MODEL_RUNNERS: dict[str, float] = {
+    **FAST_RUNNERS,
+    "step_timeout": 30.0,
+    "step_deadline_floor": 2.0,
+    "heartbeat_timeout": 4.0,
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

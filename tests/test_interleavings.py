@@ -133,7 +133,7 @@ def runner_children() -> set[int]:
     return found
 
 
-class Run:
+class ProgramRun:
     """One program against one engine: what the threads did, and what broke the property on the way."""
 
     def __init__(self, engine: Engine, prompts: dict[Submit, list[int]]) -> None:
@@ -269,7 +269,7 @@ class Run:
                 self.pids.update(pids)
 
 
-def run_program(model_dir: Path, log_root: Path, program: list[list[Op]]) -> Run:
+def run_program(model_dir: Path, log_root: Path, program: list[list[Op]]) -> ProgramRun:
     submits = [op for ops in program for op in ops if isinstance(op, Submit)]
     prompts = {op: random_prompt(op.prompt_len, op.seed) for op in submits}  # mlx, before any thread
     config = EngineConfig(
@@ -280,7 +280,7 @@ def run_program(model_dir: Path, log_root: Path, program: list[list[Op]]) -> Run
     sampler = None
     try:
         engine.start()
-        run = Run(engine, prompts)
+        run = ProgramRun(engine, prompts)
         sampler = threading.Thread(target=run.sample_pids, args=(stop,), daemon=True, name="pid-sampler")
         sampler.start()
         barrier = threading.Barrier(len(program))
@@ -320,7 +320,7 @@ def run_program(model_dir: Path, log_root: Path, program: list[list[Op]]) -> Run
     return run
 
 
-def check(run: Run, reference: Reference, cache: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
+def check(run: ProgramRun, reference: Reference, cache: dict[tuple[tuple[int, ...], int], list[int]]) -> None:
     engine = run.engine
     for rec in engine.recoveries:
         run.pids.update(rec.pids)

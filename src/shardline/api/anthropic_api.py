@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import bad_request, error_responses, unsupported
-from shardline.api.service import Outcome, Run, Service
+from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 
@@ -125,7 +125,7 @@ def router(service: Service) -> APIRouter:
     return r
 
 
-async def _events(run: Run) -> AsyncIterator[bytes]:
+async def _events(run: ActiveRequest) -> AsyncIterator[bytes]:
     start = {
         "id": f"msg_{run.id}",
         "type": "message",

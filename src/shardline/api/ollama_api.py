@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import shardline
 from shardline.api.errors import ApiError, error_responses, unsupported
-from shardline.api.service import Outcome, Run, Service
+from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 
@@ -165,7 +165,7 @@ def _check(req: Common) -> None:
         raise unsupported("format", "format (structured output)")
 
 
-def _final(run: Run, o: Outcome) -> dict[str, Any]:
+def _final(run: ActiveRequest, o: Outcome) -> dict[str, Any]:
     t = o.timings
     ns = 1_000_000_000
     prefill = t.ttft_s or 0.0
@@ -282,7 +282,7 @@ def router(service: Service) -> APIRouter:
     return r
 
 
-async def _chat_lines(run: Run) -> AsyncIterator[bytes]:
+async def _chat_lines(run: ActiveRequest) -> AsyncIterator[bytes]:
     async for c in run.chunks():
         if c.text:
             msg = {"role": "assistant", "content": c.text}
@@ -291,7 +291,7 @@ async def _chat_lines(run: Run) -> AsyncIterator[bytes]:
     yield ndjson({**_final(run, run.outcome), "message": {"role": "assistant", "content": ""}})
 
 
-async def _generate_lines(run: Run) -> AsyncIterator[bytes]:
+async def _generate_lines(run: ActiveRequest) -> AsyncIterator[bytes]:
     async for c in run.chunks():
         if c.text:
             yield ndjson({"model": run.model, "created_at": _now(), "response": c.text, "done": False})

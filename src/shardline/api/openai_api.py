@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
-from shardline.api.service import ModelText, Outcome, Run, Service
+from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
 from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
@@ -357,7 +357,9 @@ def router(service: Service) -> APIRouter:
     return r
 
 
-async def _chat_events(run: Run, text: ModelText, logprobs: bool, usage: bool) -> AsyncIterator[bytes]:
+async def _chat_events(
+    run: ActiveRequest, text: ModelText, logprobs: bool, usage: bool
+) -> AsyncIterator[bytes]:
     base = {
         "id": f"chatcmpl-{run.id}",
         "object": "chat.completion.chunk",
@@ -383,7 +385,9 @@ async def _chat_events(run: Run, text: ModelText, logprobs: bool, usage: bool) -
     yield sse("[DONE]")
 
 
-async def _completion_events(run: Run, text: ModelText, logprobs: bool, usage: bool) -> AsyncIterator[bytes]:
+async def _completion_events(
+    run: ActiveRequest, text: ModelText, logprobs: bool, usage: bool
+) -> AsyncIterator[bytes]:
     base = {"id": f"cmpl-{run.id}", "object": "text_completion", "created": run.created, "model": run.model}
     async for c in run.chunks():
         lp = _completion_logprobs(c.tokens, text) if logprobs and c.tokens else None

@@ -126,7 +126,7 @@ class Outcome:
 
 
 @dataclass
-class Run:
+class ActiveRequest:
     """One request through this node's front, as text. Iterate `chunks()`; then `outcome` is set."""
 
     id: str
@@ -409,7 +409,7 @@ class Service:
         sampling: SamplingParams,
         stop: list[str],
         ignore_eos: bool = False,
-    ) -> Run:
+    ) -> ActiveRequest:
         """Submit a request; errors before any token (bad input, overload, no model) raise ApiError."""
         started = time.monotonic()
         try:
@@ -437,7 +437,7 @@ class Service:
             self.metrics.requests.labels(endpoint, _outcome(err.status)).inc()
             raise err from exc
         self.metrics.tokens_in.labels(rec.model).inc(len(ids))
-        return Run(
+        return ActiveRequest(
             id=uuid.uuid4().hex[:24],
             model=rec.model,
             instance=rec.instance,

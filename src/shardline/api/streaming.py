@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from shardline.api.errors import ApiError, Flavor, body
-from shardline.api.service import Outcome, Run
+from shardline.api.service import ActiveRequest, Outcome
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def whole(request: Request, run: Run) -> Outcome:
+async def whole(request: Request, run: ActiveRequest) -> Outcome:
     try:
         return await unless_gone(request, run.complete())
     finally:
@@ -72,8 +72,8 @@ def ndjson(data: Any) -> bytes:
 
 
 def stream_response(
-    run: Run,
-    events: Callable[[Run], AsyncIterator[bytes]],
+    run: ActiveRequest,
+    events: Callable[[ActiveRequest], AsyncIterator[bytes]],
     flavor: Flavor,
     media_type: str = "text/event-stream",
 ) -> StreamingResponse:

@@ -36,7 +36,7 @@ def step_phase(step: m.Step) -> str:
     return "decode" if step.rows or (step.n == 1 and step.pos > 0) else "prefill"
 
 
-class Runner:
+class RunnerProcess:
     def __init__(self, spec: RunnerSpec) -> None:
         self.spec = spec
         self.keys = Keys(spec.instance, spec.generation, spec.namespace)
@@ -284,7 +284,7 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
     if spec.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {spec.cpu})
-    runner = Runner(spec)
+    runner = RunnerProcess(spec)
     phase = "load"
     try:
         pending: RunnerSpec | None = None

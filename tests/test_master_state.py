@@ -288,3 +288,52 @@ def test_a_first_launch_that_raises_leaves_placed_for_failed_with_its_reason():
         c.stop(grace_s=0.1)
     finally:
         session.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_shell_answers_queries_from_the_loop_step_not_the_zenoh_callback():
+    """A query is posted to the node's queue by the callback and answered when the loop steps: the zenoh
+    Query is kept until then. A bad query is refused at once; a deposed master's pending queries drop."""
+    import queue
+    import threading
+
+    from shardline.cluster.master import Master, Posted
+    from shardline.controller.settings import RunSettings
+    from shardline.dataplane.transport import open_session
+
+    session = open_session([], [])
+    posted: queue.Queue[Posted] = queue.Queue()
+    views: list[cm.ClusterView] = []
+    logged: list[cm.ClusterEvent] = []
+    config = ms.MasterConfig(me="a", namespace="test-master-shell", report_s=0.5)
+    snap = lambda: ms.snapshot(cluster(), time.monotonic(), time.time())  # noqa: E731
+    m = Master(session, config, RunSettings(), 1, snap(), posted.put, views.append, logged.extend)
+    key = "test-master-shell/master/query"
+    try:
+        got: list[cm.MasterReply] = []
+
+        def ask(q: cm.Place | cm.Remove) -> None:
+            for r in session.get(key, payload=q.model_dump_json(), timeout=10):
+                got.append(cm.MasterReply.model_validate_json(r.ok.payload.to_bytes()))
+
+        asker = threading.Thread(
+            target=ask, args=(cm.Place(model="m", request=REQ, dry_run=True, nonce="d1"),)
+        )
+        asker.start()
+        e = posted.get(timeout=5)
+        assert e.master is m and isinstance(e.event, ms.QueryIn) and got == []  # not answered in the callback
+        m.step([e.event], snap, changed=False)
+        asker.join(10)
+        assert len(got) == 1 and got[0].ok and got[0].placement is not None and views  # and a view went out
+        for r in session.get(key, payload=b"{not json", timeout=5):  # refused at once, never posted
+            assert "ValidationError" in cm.MasterReply.model_validate_json(r.ok.payload.to_bytes()).error
+        assert posted.empty()
+        asker = threading.Thread(target=ask, args=(cm.Remove(instance="ghost"),))
+        asker.start()
+        posted.get(timeout=5)
+        m.close()  # deposed before the step: the query is dropped, the client asks again elsewhere
+        asker.join(15)
+        assert not asker.is_alive() and len(got) == 1
+    finally:
+        m.close()
+        session.close()

@@ -54,10 +54,11 @@ class Master:
         snapshot: ms.Snapshot,
         post: Callable[[Posted], None],
         publish: Callable[[cm.ClusterView], None],
+        log_events: Callable[[list[cm.ClusterEvent]], None],
         reuse: bool = True,
     ) -> None:
         """post: puts an event on the node's loop queue (it comes back through `step`); publish: sends a
-        view to the cluster."""
+        view to the cluster; log_events: keeps cluster events in the node's state (the views show them)."""
         self.config = config
         self.runners = runners
         self.reuse = reuse
@@ -68,6 +69,7 @@ class Master:
         self._keys = ClusterKeys(config.namespace)
         self._post = post
         self._publish = publish
+        self._log_events = log_events
         self._pending: dict[int, zenoh.Query] = {}
         self._qids = itertools.count()
         self._closed = False
@@ -136,28 +138,22 @@ class Master:
 
     # ---- the loop thread -----------------------------------------------------------------------------------
 
-    def step(
-        self, events: list[ms.Event], snapshot: Callable[[], ms.Snapshot], changed: bool
-    ) -> list[cm.ClusterEvent]:
-        """Fold what was posted, then a Tick with a fresh snapshot; returns the cluster events to log (the
-        node keeps them in its state)."""
-        logged: list[cm.ClusterEvent] = []
+    def step(self, events: list[ms.Event], snapshot: Callable[[], ms.Snapshot], changed: bool) -> None:
+        """Fold what was posted, then a Tick with a fresh snapshot (the events just logged included)."""
         for e in events:
-            logged += self._apply(e)
-        return logged + self._apply(ms.Tick(snapshot(), changed or bool(logged)))
+            self._apply(e)
+        self._apply(ms.Tick(snapshot(), changed))
 
-    def _apply(self, event: ms.Event) -> list[cm.ClusterEvent]:
-        self.state, commands = ms.apply(self.state, event)
-        logged = []
+    def _apply(self, event: ms.Event) -> None:
+        self.state, commands = ms.apply(self.state, event)  # first: a controller started now reads it
+        logged = [cmd.event for cmd in commands if isinstance(cmd, ms.Log)]
+        if logged:
+            self._log_events(logged)
         for cmd in commands:
             try:
-                if isinstance(cmd, ms.Log):
-                    logged.append(cmd.event)
-                else:
-                    self._do(cmd)
+                self._do(cmd)
             except Exception:  # one command failing must not lose the others (replies above all)
                 log.exception("master command %s failed", type(cmd).__name__)
-        return logged
 
     def _do(self, cmd: ms.Command) -> None:
         if isinstance(cmd, ms.Reply):

@@ -271,16 +271,17 @@ class Node:
         if self.master is not None:
             # Only what was posted to this master: a deposed one's queries and updates are dropped.
             posted = [e.event for e in all_events if isinstance(e, Posted) and e.master is self.master]
-            logged = self.master.step(posted, self._snapshot, bool(happened))
-            if logged:
-                with self.lock:
-                    self.state.events.extend(logged)
+            self.master.step(posted, self._snapshot, bool(happened))
         if view is not None and self.agent is not None and any(isinstance(e, cs.ViewIn) for e in events):
             self._fence(view)
 
     def _snapshot(self) -> ms.Snapshot:
         with self.lock:
             return ms.snapshot(self.state, time.monotonic(), time.time())
+
+    def _log_events(self, events: list[cm.ClusterEvent]) -> None:
+        with self.lock:
+            self.state.events.extend(events)
 
     def _new_master(self, term: int) -> Master:
         assert self.session is not None
@@ -300,6 +301,7 @@ class Node:
             self._snapshot(),
             post=self._events.put,
             publish=self.publish_view,
+            log_events=self._log_events,
             reuse=r.reuse_survivors,
         )
 

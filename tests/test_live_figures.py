@@ -8,7 +8,7 @@ from test_cluster_decisions import report
 from shardline.api.live import HISTORY, Histories, InstanceHistory, sample
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
-from shardline.cluster.master import _phase, _transitions
+from shardline.cluster.master_state import _phase, _transitions
 from shardline.dataplane.messages import LeaderBeat
 from shardline.front.figures import LeaderFigures
 

@@ -136,6 +136,7 @@ class Place(Wire):
     request: PlacementRequest = PlacementRequest()
     dry_run: bool = False
     nonce: str = ""  # the same query sent again (a retry) is answered once
+    if_absent: bool = False  # an instance of the model exists already (not failed): that one is the answer
 
 
 class Remove(Wire):

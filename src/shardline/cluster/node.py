@@ -23,9 +23,11 @@ from platformdirs import user_data_dir
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.service import ApiSettings
+from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys, node_from_key
+from shardline.cluster.master import Master, Posted
 from shardline.cluster.placement import footprint_from_dir
 from shardline.cluster.resources import compute_score, device_kind, node_identity, resources
 from shardline.cluster.weights.fetch import fetch_shard
@@ -107,13 +109,13 @@ class Node:
         self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
         self.lock = threading.RLock()  # the state; never held while sending
         self.changed = threading.Condition(self.lock)
-        self._events: queue.Queue[cs.Event] = queue.Queue()
+        self._events: queue.Queue[cs.Event | Posted] = queue.Queue()  # the loop's: cluster and master
         self._closed = threading.Event()
         self._leaving = False
         self._models: dict[str, cm.LocalModel] = {}
         self._models_at = 0.0
         self._fetching: dict[tuple[str, int], tuple[int, int]] = {}
-        self.master: Any = None  # cluster.master.Master while this node is master
+        self.master: Master | None = None  # while this node is master; only the loop thread touches it
         self.api: Any = None  # api.server.ApiServer when the node serves HTTP
         self.session: zenoh.Session | None = None
         self._threads: list[threading.Thread] = []
@@ -244,10 +246,9 @@ class Node:
             except Exception:  # the node must outlive any one bad step
                 log.exception("node step failed")
 
-    def _step(self, events: list[cs.Event]) -> None:
-        from shardline.cluster.master import Master
-
+    def _step(self, all_events: list[cs.Event | Posted]) -> None:
         now = time.time()
+        events = [e for e in all_events if not isinstance(e, Posted)]
         with self.lock:
             happened = []
             for e in [*events, cs.Tick(time.monotonic())]:
@@ -259,7 +260,7 @@ class Node:
             self.changed.notify_all()
         for e in happened:
             log.info("%s %s", e.kind, e.node)
-        if deposed:
+        if deposed and self.master is not None:
             log.warning("node %s is no longer master (term %d)", self.node_id, self.state.term)
             self.master.close(stop_runners=False)
             self.master = None
@@ -269,11 +270,43 @@ class Node:
             with self.lock:
                 self.state.term, self.state.master = term, self.node_id
                 self.state.events.append(cm.ClusterEvent(at=now, kind="master", node=self.node_id))
-            self.master = Master(self)
+            self.master = self._new_master(term)
         if self.master is not None:
-            self.master.tick(happened)
+            # Only what was posted to this master: a deposed one's queries and updates are dropped.
+            posted = [e.event for e in all_events if isinstance(e, Posted) and e.master is self.master]
+            self.master.step(posted, self._snapshot, bool(happened))
         if view is not None and self.agent is not None and any(isinstance(e, cs.ViewIn) for e in events):
             self._fence(view)
+
+    def _snapshot(self) -> ms.Snapshot:
+        with self.lock:
+            return ms.snapshot(self.state, time.monotonic(), time.time())
+
+    def _log_events(self, events: list[cm.ClusterEvent]) -> None:
+        with self.lock:
+            self.state.events.extend(events)
+
+    def _new_master(self, term: int) -> Master:
+        assert self.session is not None
+        r = self.config.runners
+        config = ms.MasterConfig(
+            me=self.node_id,
+            namespace=self.config.namespace,
+            report_s=self.config.report_s,
+            threads=self.config.threads or 1,
+            spec_fields=r.settings_fields(),
+        )
+        return Master(
+            self.session,
+            config,
+            r,
+            term,
+            self._snapshot(),
+            post=self._events.put,
+            publish=self.publish_view,
+            log_events=self._log_events,
+            reuse=r.reuse_survivors,
+        )
 
     def _fence(self, view: cm.ClusterView) -> None:
         """Kill runners of generations the newest view no longer lists (a master's StopGeneration may have

@@ -144,12 +144,20 @@ class InstanceController:
 
     def _run(self) -> None:
         with self._cond:
-            if self._adopted is not None:
-                st.adopt(self.state, *self._adopted, time.monotonic())
-                self._say(self._serving())
-            else:
-                self._launch(time.monotonic())
+            try:
+                if self._adopted is not None:
+                    st.adopt(self.state, *self._adopted, time.monotonic())
+                    self._say(self._serving())
+                else:
+                    self._launch(time.monotonic())
+            except Exception as exc:  # as in _act: an instance must never stay `placed` without a word
+                log.exception("controller start failed")
+                self._give_up(f"controller failed: {type(exc).__name__}: {exc}")
+            done = self.state.phase == "failed"
         self._flush()
+        self._on_change()  # the first generation (or the reason there is none) is news too
+        if done:
+            return
         while True:
             try:
                 first = self._inbox.get(timeout=TICK_S)

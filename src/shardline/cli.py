@@ -8,17 +8,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from shardline.cli_support import CliError, encode_prompt, positive, stream_tokens
 from shardline.controller import settings
 
-
-class CliError(Exception):
-    """A user-facing failure: printed as one line, exit status 2."""
+MODEL_HELP = "model name or mlx-lm model directory (default: the built-in model)"
+JSON_HELP = "write the results to this file"
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="model name or mlx-lm model directory (default: the built-in model)"
-    )
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages, one local runner process each")
     p.add_argument(
         "--prefill-step",
@@ -34,40 +32,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive(value: int, name: str) -> int:
-    if value < 1:
-        raise CliError(f"{name} must be at least 1, got {value}")
-    return value
-
-
 def resolve(model: str | None) -> Path:
     from shardline.models.registry import resolve_model
 
     return resolve_model(model)
-
-
-def _encode(tokenizer: object, prompt: str, raw: bool) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) and not raw:
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-        return tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
-    return tokenizer.encode(prompt)  # type: ignore[attr-defined]
-
-
-def _stream(handle: object, tokenizer: object) -> None:
-    detok = tokenizer.detokenizer  # type: ignore[attr-defined]
-    detok.reset()
-    try:
-        for tok in handle:  # type: ignore[attr-defined]
-            detok.add_token(tok.token)
-            sys.stdout.write(detok.last_segment)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        handle.cancel()  # type: ignore[attr-defined]
-        raise
-    detok.finalize()
-    sys.stdout.write(detok.last_segment + "\n")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -76,12 +44,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shardline.compute.sampling import SamplingParams
     from shardline.engine.engine import Engine, EngineConfig
 
-    _positive(args.stages, "--stages")
-    _positive(args.prefill_step, "--prefill-step")
-    _positive(args.max_tokens, "--max-tokens")
+    positive(args.stages, "--stages")
+    positive(args.prefill_step, "--prefill-step")
+    positive(args.max_tokens, "--max-tokens")
     model_dir = resolve(args.model)
     tokenizer = load_tokenizer(model_dir)
-    ids = _encode(tokenizer, args.prompt, args.raw)
+    ids = encode_prompt(tokenizer, args.prompt, args.raw)
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -95,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from shardline.cluster.cli import generate_on_cluster
 
         return generate_on_cluster(
-            args, model_dir.name, ids, sampling, stops, lambda h: _stream(h, tokenizer)
+            args, model_dir.name, ids, sampling, stops, lambda h: stream_tokens(h, tokenizer)
         )
     config = EngineConfig(
         model_dir=model_dir,
@@ -107,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         engine.start()
         handle = engine.submit(ids, max_tokens=args.max_tokens, sampling=sampling, stop_tokens=stops)
-        _stream(handle, tokenizer)
+        stream_tokens(handle, tokenizer)
     finally:
         engine.shutdown()
     return 0
@@ -133,21 +101,21 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from shardline.bench.engine import run
 
-    run(model=args.model, json_path=args.json, quick=args.quick, pairs=_positive(args.rounds, "--rounds"))
+    run(model=args.model, json_path=args.json, quick=args.quick, pairs=positive(args.rounds, "--rounds"))
     return 0
 
 
 def cmd_bench_attention(args: argparse.Namespace) -> int:
     from shardline.bench.attention import run
 
-    run(model=args.model, json_path=args.json, rounds=_positive(args.rounds, "--rounds"))
+    run(model=args.model, json_path=args.json, rounds=positive(args.rounds, "--rounds"))
     return 0
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     from shardline.bench.chaos import run
 
-    _positive(args.requests, "--requests")
+    positive(args.requests, "--requests")
     if args.stages not in (2, 3):
         raise CliError(f"--stages must be 2 or 3, got {args.stages}")
     run(model=args.model, json_path=args.json, requests=args.requests, seed=args.seed, stages=args.stages)
@@ -171,9 +139,9 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from shardline.bench.serve import run
 
-    _positive(args.clients, "--clients")
-    _positive(args.max_tokens, "--max-tokens")
-    _positive(args.pairs, "--pairs")
+    positive(args.clients, "--clients")
+    positive(args.max_tokens, "--max-tokens")
+    positive(args.pairs, "--pairs")
     run(
         model=args.model,
         json_path=args.json,
@@ -186,25 +154,29 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO level)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream an answer from a local pipeline of runner processes")
     _add_engine_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among this many best tokens (0: all)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the best")
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="penalise tokens already seen (1: none)"
+    )
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument(
         "--cluster", metavar="ENDPOINT", default=None, help="send through a cluster (e.g. tcp/127.0.0.1:7447)"
     )
-    gen.add_argument("--namespace", default="shardline")
-    gen.add_argument("--cluster-key-file", type=Path, default=None)
-    gen.add_argument("prompt")
+    gen.add_argument("--namespace", default="shardline", help="the cluster's namespace (with --cluster)")
+    gen.add_argument(
+        "--cluster-key-file", type=Path, default=None, help="file holding the cluster's shared secret"
+    )
+    gen.add_argument("prompt", help="the text to answer")
     gen.set_defaults(func=cmd_generate)
 
     from shardline.cluster.cli import add_commands
@@ -214,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="manage local models")
     msub = models.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="import a known model into the local cache")
-    pull.add_argument("name", nargs="?", default=None)
+    pull.add_argument("name", nargs="?", default=None, help="a known model (default: the built-in one)")
     pull.set_defaults(func=cmd_models_pull)
     lst = msub.add_parser("list", help="known models")
     lst.set_defaults(func=cmd_models_list)
@@ -224,38 +196,38 @@ def build_parser() -> argparse.ArgumentParser:
     be = bsub.add_parser(
         "engine", help="decode, prefill overlap, activation memory, batched streams, against mlx-lm"
     )
-    be.add_argument("--model", default=None)
-    be.add_argument("--json", type=Path, default=None, help="write the results to this file")
+    be.add_argument("--model", default=None, help=MODEL_HELP)
+    be.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
     be.add_argument("--rounds", type=int, default=3, help="alternating baseline / engine rounds")
     be.set_defaults(func=cmd_bench_engine)
     ba = bsub.add_parser("attention", help="a prefill chunk's attention: the runner's kernel against MLX's")
-    ba.add_argument("--model", default=None)
-    ba.add_argument("--json", type=Path, default=None)
+    ba.add_argument("--model", default=None, help=MODEL_HELP)
+    ba.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     ba.add_argument("--rounds", type=int, default=3, help="alternating rounds over the kernels")
     ba.set_defaults(func=cmd_bench_attention)
     bc = bsub.add_parser("chaos", help="requests while stages are killed, stalled and aborted at random")
-    bc.add_argument("--model", default=None)
-    bc.add_argument("--json", type=Path, default=None)
-    bc.add_argument("--requests", type=int, default=8)
-    bc.add_argument("--seed", type=int, default=0)
-    bc.add_argument("--stages", type=int, default=2)
+    bc.add_argument("--model", default=None, help=MODEL_HELP)
+    bc.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bc.add_argument("--requests", type=int, default=8, help="requests to run through the faults")
+    bc.add_argument("--seed", type=int, default=0, help="seed of the random faults")
+    bc.add_argument("--stages", type=int, default=2, help="pipeline stages (2 or 3)")
     bc.set_defaults(func=cmd_bench_chaos)
     br = bsub.add_parser("resume", help="pause and exactness of exact vs fast resume after a SIGKILL")
-    br.add_argument("--model", default=None)
-    br.add_argument("--json", type=Path, default=None)
+    br.add_argument("--model", default=None, help=MODEL_HELP)
+    br.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     br.set_defaults(func=cmd_bench_resume)
     bcl = bsub.add_parser("cluster", help="join, master failover and node loss times on loopback daemons")
-    bcl.add_argument("--model", default=None)
-    bcl.add_argument("--json", type=Path, default=None)
+    bcl.add_argument("--model", default=None, help=MODEL_HELP)
+    bcl.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     bcl.set_defaults(func=cmd_bench_cluster)
     bs = bsub.add_parser(
         "serve", help="streaming clients over HTTP against the Python API, on a 2-node cluster"
     )
-    bs.add_argument("--model", default=None)
-    bs.add_argument("--json", type=Path, default=None)
+    bs.add_argument("--model", default=None, help=MODEL_HELP)
+    bs.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     bs.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
-    bs.add_argument("--max-tokens", type=int, default=48)
+    bs.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bs.add_argument("--pairs", type=int, default=3, help="alternating HTTP / Python API rounds")
     bs.set_defaults(func=cmd_bench_serve)
     return parser

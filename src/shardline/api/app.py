@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import shardline
 from shardline.api import anthropic_api, cluster_api, dashboard, ollama_api, openai_api
 from shardline.api.errors import ApiError, body, flavor_of, headers
+from shardline.api.ollama_entrance import OllamaEntrance
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
 
@@ -103,6 +104,8 @@ def build_app(service: Service) -> FastAPI:
                 return _error(request, denied)
         return await call_next(request)
 
+    # Inside CORS (which answers preflights), outside the key check: see ollama_entrance.
+    app.add_middleware(OllamaEntrance, allowed_origins=settings.cors_origins)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -27,6 +27,7 @@ class Health(BaseModel):
     node: str
     master: str | None
     term: int
+    pending: int  # HTTP requests this node admitted and has not ended (max_pending of them: 429)
 
 
 class Live(BaseModel):
@@ -119,7 +120,11 @@ def router(service: Service) -> APIRouter:
     async def health() -> Health:
         view = service.view()
         return Health(
-            ok=True, node=service.node_id, master=view.master if view else None, term=view.term if view else 0
+            ok=True,
+            node=service.node_id,
+            master=view.master if view else None,
+            term=view.term if view else 0,
+            pending=service.pending,
         )
 
     @r.get("/state", response_model=State, responses=auth)

@@ -16,8 +16,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class _Gauges(Collector):
-    def __init__(self, read: Callable[[], dict[str, tuple[int, int, int]]]) -> None:
+    def __init__(
+        self, read: Callable[[], dict[str, tuple[int, int, int]]], pending: Callable[[], int]
+    ) -> None:
         self._read = read
+        self._pending = pending
 
     def collect(self) -> Iterable[Metric]:
         queued = GaugeMetricFamily(
@@ -36,10 +39,17 @@ class _Gauges(Collector):
             running.add_metric([instance], r)
             held.add_metric([instance], h)
         yield from (queued, running, held)
+        yield GaugeMetricFamily(
+            "shardline_requests_pending",
+            "HTTP requests admitted by this node and not yet ended (at --max-pending, more get 429)",
+            value=self._pending(),
+        )
 
 
 class Metrics:
-    def __init__(self, gauges: Callable[[], dict[str, tuple[int, int, int]]]) -> None:
+    def __init__(
+        self, gauges: Callable[[], dict[str, tuple[int, int, int]]], pending: Callable[[], int] = lambda: 0
+    ) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "shardline_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
@@ -73,7 +83,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(_Gauges(gauges))
+        r.register(_Gauges(gauges, pending))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

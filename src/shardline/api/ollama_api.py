@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import shardline
 from shardline.api.errors import ApiError, error_responses, unsupported
@@ -17,7 +17,7 @@ from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 
-ERRORS = error_responses("ollama", 400, 401, 404, 429, 503)
+ERRORS = error_responses("ollama", 400, 401, 403, 404, 429, 503)
 
 
 class Options(BaseModel):
@@ -69,7 +69,18 @@ class GenerateRequest(Common):
 class ShowRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(None, min_length=1)
+    name: str | None = Field(None, min_length=1)  # what older Ollama clients send
+
+    @model_validator(mode="after")
+    def _one_name(self) -> ShowRequest:
+        if not (self.model or self.name):
+            raise ValueError("model is required")
+        return self
+
+    @property
+    def wanted(self) -> str:
+        return self.model or self.name or ""
 
 
 class Details(BaseModel):
@@ -160,6 +171,13 @@ def _sampling(o: Options | None) -> tuple[SamplingParams, int | None, list[str]]
     return SamplingParams(**fields), limit, stops
 
 
+def model_name(service: Service, name: str) -> str:
+    """Ollama's `name:latest` is the model `name` (shardline has no tags), unless a model is so named."""
+    if name.endswith(":latest") and name not in service.model_names():
+        return name.removesuffix(":latest")
+    return name
+
+
 def _check(req: Common) -> None:
     if req.format not in (None, ""):
         raise unsupported("format", "format (structured output)")
@@ -195,9 +213,8 @@ def router(service: Service) -> APIRouter:
             raise unsupported("images", "images")
         sampling, limit, stops = _sampling(req.options)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        run = await service.start(
-            "ollama_chat", req.model, lambda t: t.chat(messages), limit, sampling, stops
-        )
+        model = model_name(service, req.model)
+        run = await service.start("ollama_chat", model, lambda t: t.chat(messages), limit, sampling, stops)
         if req.stream is not False:
             return stream_response(run, _chat_lines, "ollama", "application/x-ndjson")
         o = await whole(request, run)
@@ -209,9 +226,10 @@ def router(service: Service) -> APIRouter:
         if req.images:
             raise unsupported("images", "images")
         sampling, limit, stops = _sampling(req.options)
+        model = model_name(service, req.model)
         if not req.prompt:
             # Ollama answers an empty prompt by loading the model; here the model is placed already.
-            rec, _, _ = await service.target(req.model)
+            rec, _, _ = await service.target(model)
             return {
                 "model": rec.model,
                 "created_at": _now(),
@@ -226,13 +244,13 @@ def router(service: Service) -> APIRouter:
                 {"role": "user", "content": req.prompt}
             ]
             prompt_ids = lambda t: t.chat(chat)  # noqa: E731
-        run = await service.start("ollama_generate", req.model, prompt_ids, limit, sampling, stops)
+        run = await service.start("ollama_generate", model, prompt_ids, limit, sampling, stops)
         if req.stream is not False:
             return stream_response(run, _generate_lines, "ollama", "application/x-ndjson")
         o = await whole(request, run)
         return {**_final(run, o), "response": o.text}
 
-    @r.get("/api/tags", response_model=Tags, responses=error_responses("ollama", 401))
+    @r.get("/api/tags", response_model=Tags, responses=error_responses("ollama", 401, 403))
     async def tags() -> Tags:
         now = _now()
         out = []
@@ -250,19 +268,20 @@ def router(service: Service) -> APIRouter:
             )
         return Tags(models=out)
 
-    @r.post("/api/show", response_model=ShowResponse, responses=error_responses("ollama", 400, 401, 404))
+    @r.post("/api/show", response_model=ShowResponse, responses=error_responses("ollama", 400, 401, 403, 404))
     async def show(req: ShowRequest) -> Any:
-        if req.model not in service.model_names():
-            raise ApiError(404, f"model {req.model!r} not found", "not_found_error", "model")
-        text = await service.text_of(req.model)
-        fp = service.footprint(req.model)
+        model = model_name(service, req.wanted)
+        if model not in service.model_names():
+            raise ApiError(404, f"model {req.wanted!r} not found", "not_found_error", "model")
+        text = await service.text_of(model)
+        fp = service.footprint(model)
         info = {
             "general.architecture": text.family,
             f"{text.family}.context_length": text.context_length,
             f"{text.family}.block_count": fp.layers if fp else 0,
         }
         return ShowResponse(
-            modelfile=f"FROM {req.model}\n",
+            modelfile=f"FROM {model}\n",
             parameters="",
             template=getattr(text.tokenizer, "chat_template", None) or "",
             details=Details(family=text.family, families=[text.family]),

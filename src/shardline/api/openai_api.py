@@ -290,7 +290,7 @@ def router(service: Service) -> APIRouter:
             stops,
             ignore_eos=bool(req.ignore_eos),
         )
-        text = await service.text_of(run.model)
+        text = run.text
         want_lp = bool(req.logprobs)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -333,7 +333,7 @@ def router(service: Service) -> APIRouter:
             _stops(req.stop),
             ignore_eos=bool(req.ignore_eos),
         )
-        text = await service.text_of(run.model)
+        text = run.text
         want_lp = req.logprobs is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -27,10 +27,11 @@ from pydantic import BaseModel, Field
 from shardline.api.errors import ApiError
 from shardline.api.live import SAMPLE_S, Histories
 from shardline.api.metrics import Metrics
+from shardline.api.steps import StepCounts
 from shardline.api.text import TextStream
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
-from shardline.cluster.placement import ModelFootprint, footprint_from_dir
+from shardline.cluster.placement import ModelFootprint, PlacementRequest, footprint_from_dir
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode
@@ -40,6 +41,10 @@ from shardline.front.request import RequestHandle, Token
 
 log = logging.getLogger("shardline.api")
 REMOVED_AFTER_S = 2.0  # an instance missing from views this long is gone (a new master's first view may lag)
+# After a placement, how long to wait for the master's view to list the new instance: a few view periods,
+# and a little more per stage (a bigger placement is a bigger view to fold and publish).
+PLACED_VIEW_S = 5.0
+PLACED_VIEW_PER_STAGE_S = 1.0
 
 
 class ApiSettings(BaseModel):
@@ -134,6 +139,7 @@ class ActiveRequest:
     instance: str
     handle: RequestHandle
     stream: TextStream
+    text: ModelText  # the model's tokenizer: routes format logprobs with it, with no await in between
     prompt_tokens: int
     started: float
     metrics: Metrics
@@ -186,6 +192,14 @@ class ActiveRequest:
                     await wake.wait()
         finally:
             self.close(outcome)
+
+    def __del__(self) -> None:
+        # A backstop: a run dropped on a path that never reached its response (an exception or a
+        # cancellation between start and respond) still frees its slot and its place in the pipeline.
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def close(self, outcome: str = "cancelled") -> None:
         """End the request if it has not ended (cancelling it in the pipeline); free its slot. Idempotent."""
@@ -246,7 +260,7 @@ class Service:
         self.models_root = models_root
         self.settings = settings
         self.node_id = node_id
-        self.metrics = Metrics(self.gauges)
+        self.metrics = Metrics(self.gauges, lambda: self.pending)
         self._texts: dict[str, ModelText] = {}
         self._texts_lock = threading.Lock()
         self._pending = 0
@@ -261,7 +275,8 @@ class Service:
         self._views: deque[cm.ClusterView] = deque(maxlen=1)
         self._view_ready = threading.Event()
         self._closed = threading.Event()
-        self._steps: dict[tuple[str, int], int] = {}
+        self._steps = StepCounts()
+        self._placing: dict[str, asyncio.Task[cm.InstanceRecord]] = {}  # model -> its one placement
         self.histories = Histories()
         self._missing: dict[str, float] = {}  # instance -> since when views no longer list it
         self._status_sub = client.session.declare_subscriber(
@@ -355,22 +370,68 @@ class Service:
                 )
             rec = await self._place(model)
         text = await self.text_of(rec.model)
-        front = self.client.front(rec.instance, max_queue=self.settings.max_pending)
+        try:
+            front = self.client.front(rec.instance, max_queue=self.settings.max_pending)
+        except (ClusterError, EngineError) as exc:  # removed meanwhile, or this node is shutting down
+            raise ApiError(
+                503, f"model {model!r} cannot be served now: {exc}", "service_unavailable"
+            ) from exc
         return rec, front, text
 
     async def _place(self, model: str) -> cm.InstanceRecord:
-        def place() -> cm.InstanceRecord:
-            rec = self.instance_for(model)  # another request may have placed it meanwhile
-            if rec is None:
-                reply = self.client.place(model)
-                assert reply.instance is not None
-                rec = reply.instance
-            return rec
+        """Place `model` once however many requests ask at once: the first starts the placement, the others
+        await the same one (shielded: the first request going away does not cancel it for the others)."""
+        task = self._placing.get(model)
+        if task is None:
+            task = asyncio.ensure_future(self._place_once(model))
+            self._placing[model] = task
 
+            def done(t: asyncio.Task[cm.InstanceRecord]) -> None:
+                if self._placing.get(model) is t:
+                    del self._placing[model]  # the next request finds the instance in the view, or retries
+                if not t.cancelled():
+                    t.exception()  # seen here, so no waiter left means no "never retrieved" warning
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _place_once(self, model: str) -> cm.InstanceRecord:
+        rec = self.instance_for(model)  # placed meanwhile (by another node's request, or by hand)
+        if rec is not None:
+            return rec
+        # if_absent: a request through another node may be placing the same model; the master answers
+        # both with one instance.
+        query = cm.Place(model=model, request=PlacementRequest(), if_absent=True)
         try:
-            return await asyncio.to_thread(place)
+            reply = await asyncio.to_thread(self.client.ask, query)
         except ClusterError as exc:
             raise ApiError(503, f"model {model!r} cannot be placed: {exc}", "service_unavailable") from exc
+        if not reply.ok or reply.instance is None:
+            raise ApiError(
+                503,
+                f"model {model!r} cannot be placed: {reply.error or 'no instance'}",
+                "service_unavailable",
+            )
+        placed = reply.instance
+        # The reply comes before the master's next view lists the instance, and a front needs the view's
+        # record: wait for it, with a deadline, so the request is routed, never answered with a 500.
+        wait_s = PLACED_VIEW_S + PLACED_VIEW_PER_STAGE_S * len(placed.stages)
+
+        def listed(view: cm.ClusterView) -> bool:
+            return any(r.instance == placed.instance for r in view.instances)
+
+        try:
+            await asyncio.to_thread(
+                self.client.wait, listed, wait_s, f"instance {placed.instance} in the view"
+            )
+        except ClusterError as exc:
+            raise ApiError(
+                503,
+                f"model {model!r} was placed as {placed.instance}, but the cluster's view did not list it "
+                f"within {wait_s:.0f}s; retry",
+                "service_unavailable",
+            ) from exc
+        return self.client.instance(placed.instance) or placed
 
     # ---- requests ------------------------------------------------------------------------------------------
 
@@ -386,6 +447,12 @@ class Service:
                     retry_after_s=self._retry_after(),
                 )
             self._pending += 1
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted through this node and not yet ended (the count max_pending limits)."""
+        with self._pending_lock:
+            return self._pending
 
     def _release(self) -> None:
         with self._pending_lock:
@@ -414,21 +481,17 @@ class Service:
         started = time.monotonic()
         try:
             rec, front, text = await self.target(model)
-            ids = prompt(text)
-            if max_tokens is not None and max_tokens > text.context_length:
-                raise ApiError(
-                    400,
-                    f"max_tokens is {max_tokens}; the model's context is {text.context_length} tokens",
-                    param="max_tokens",
-                )
+            # Chat templates and tokenisation take long on long prompts: off the event loop, so other
+            # requests (and their streams) do not wait behind them.
+            ids = await asyncio.to_thread(prompt, text)
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
+            limit = _limit(ids, max_tokens, _context(rec, text), _prompt_param(endpoint))
             self._admit()
         except ApiError as exc:
             self.metrics.requests.labels(endpoint, _outcome(exc.status)).inc()
             raise
         try:
-            limit = max_tokens if max_tokens is not None else text.context_length
             eos = [] if ignore_eos else text.eos
             handle = front.submit(ids, max_tokens=limit, sampling=sampling, stop_tokens=eos)
         except BaseException as exc:
@@ -443,6 +506,7 @@ class Service:
             instance=rec.instance,
             handle=handle,
             stream=TextStream(text.decode, stop),
+            text=text,
             prompt_tokens=len(ids),
             started=started,
             metrics=self.metrics,
@@ -484,6 +548,7 @@ class Service:
             elif now - self._missing.setdefault(instance, now) > REMOVED_AFTER_S:
                 self._missing.pop(instance, None)
                 self.client.drop_front(instance, f"instance {instance} was removed")
+                self._steps.forget(instance)
         for rec in view.instances:
             if rec.phase != "failed" and rec.instance not in self.client.fronts():
                 try:
@@ -531,11 +596,8 @@ class Service:
         if not isinstance(msg, m.Heartbeat) or msg.last_step is None:
             return
         parts = str(sample.key_expr).split("/")  # {ns}/i/{instance}/g{gen}/status/{stage}
-        key = (parts[2], msg.stage)
-        if self._steps.get(key, -1) < msg.steps:
-            if key in self._steps:
-                self.metrics.step.labels(parts[2], str(msg.stage)).observe(msg.last_step.seconds)
-            self._steps[key] = msg.steps
+        if self._steps.advance(parts[2], msg.stage, msg.steps):
+            self.metrics.step.labels(parts[2], str(msg.stage)).observe(msg.last_step.seconds)
 
 
 def _offer(q: asyncio.Queue[tuple[str, Any]], item: tuple[str, Any]) -> None:
@@ -545,6 +607,39 @@ def _offer(q: asyncio.Queue[tuple[str, Any]], item: tuple[str, Any]) -> None:
         except asyncio.QueueEmpty:
             pass
     q.put_nowait(item)
+
+
+def _context(rec: cm.InstanceRecord, text: ModelText) -> int:
+    """The context a request may fill: the model's, or the instance's where that is smaller."""
+    return min(text.context_length, rec.context_length or text.context_length)
+
+
+def _prompt_param(endpoint: str) -> str:
+    return "prompt" if endpoint in ("completions", "ollama_generate") else "messages"
+
+
+def _limit(ids: list[int], max_tokens: int | None, context: int, prompt_param: str) -> int:
+    """max_tokens as asked, checked against the context; not asked: what is left of the context."""
+    if len(ids) >= context:
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens; the model's context is {context} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    left = context - len(ids)
+    if max_tokens is None:
+        return left
+    if max_tokens > left:
+        # Refused, not clamped: a client asking for more than fits would otherwise get a silent "length".
+        raise ApiError(
+            400,
+            f"max_tokens is {max_tokens}, but the prompt's {len(ids)} tokens leave {left} of the model's "
+            f"{context}-token context; ask for at most {left}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
 
 
 def _outcome(status: int) -> str:

@@ -71,14 +71,37 @@ def ndjson(data: Any) -> bytes:
     return (json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
+class RunResponse(StreamingResponse):
+    """A streamed run that ends with its response, however the response ends.
+
+    Starlette cancels the body's task when the client disconnects; before the first byte its generator
+    has not even started, so a `finally` inside it never runs. Closing the run here, after the whole
+    response (sent, failed or cancelled), frees its slot and cancels it in the pipeline in every case."""
+
+    def __init__(self, run: ActiveRequest, content: AsyncIterator[bytes], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.run = run
+        self._content = content
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+            aclose = getattr(self._content, "aclose", None)
+            if aclose is not None:
+                await aclose()  # runs the generator's own cleanup if it had started
+
+
 def stream_response(
     run: ActiveRequest,
     events: Callable[[ActiveRequest], AsyncIterator[bytes]],
     flavor: Flavor,
     media_type: str = "text/event-stream",
 ) -> StreamingResponse:
-    """Stream what `events` makes of the run. A client that disconnects ends the generator (Starlette
-    cancels it), which cancels the request; an error after the first byte is sent in the API's shape."""
+    """Stream what `events` makes of the run. A client that disconnects, before or after the first byte,
+    ends the response, which cancels the request; an error after the first byte is sent in the API's
+    shape."""
 
     async def body_stream() -> AsyncIterator[bytes]:
         try:
@@ -96,4 +119,4 @@ def stream_response(
             run.close()
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body_stream(), media_type=media_type, headers=headers)
+    return RunResponse(run, body_stream(), media_type=media_type, headers=headers)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardline.cli_support import CliError, encode_prompt, positive, stream_tokens
 from shardline.controller import settings
 
 DEFAULT_PORT = 7447
@@ -60,7 +61,6 @@ def _secret_file(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from shardline.cli import _positive
     from shardline.cluster.node import ClusterInstanceSettings, Node, NodeConfig
     from shardline.cluster.resources import parse_size
 
@@ -69,7 +69,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         (args.max_queue, "--max-queue"),
         (args.max_batch, "--max-batch"),
     ):
-        _positive(value, flag)
+        positive(value, flag)
     runners = ClusterInstanceSettings.model_validate_json(args.runner_settings or "{}").model_copy(
         update={"prefill_step": args.prefill_step, "max_queue": args.max_queue, "max_batch": args.max_batch}
     )
@@ -178,11 +178,10 @@ def stop_nodes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from platformdirs import user_data_dir
 
-    from shardline.cli import CliError, _positive
     from shardline.cluster.client import ClusterClient
     from shardline.models.registry import resolve_model
 
-    _positive(args.nodes, "--nodes")
+    positive(args.nodes, "--nodes")
     model_dir = resolve_model(args.model)  # import the model once, before any node reports it
     base = Path(args.data_dir or Path(user_data_dir("shardline")) / "up")
     extra = ["--models-dir", str(model_dir.parent)]
@@ -224,13 +223,11 @@ def _ask(client: Any, instance: str, model_dir: Path, prompt: str) -> None:
     """Stream one answer through this client's front (the demo of `make run`)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from shardline.cli import _encode, _stream
-
     tokenizer = load_tokenizer(model_dir)
     print(f"> {prompt}", flush=True)
-    ids = _encode(tokenizer, prompt, raw=False)
+    ids = encode_prompt(tokenizer, prompt, raw=False)
     handle = client.front(instance).submit(ids, max_tokens=256, stop_tokens=list(tokenizer.eos_token_ids))
-    _stream(handle, tokenizer)
+    stream_tokens(handle, tokenizer)
 
 
 def generate_on_cluster(
@@ -270,17 +267,32 @@ def add_commands(sub: Any) -> None:
         "--multicast-interface", default=None, help="discover peers by multicast on this interface"
     )
     node.add_argument("--cluster-key", default=None, help="shared secret: a node without it cannot join")
-    node.add_argument("--cluster-key-file", type=Path, default=None)
+    node.add_argument(
+        "--cluster-key-file",
+        type=Path,
+        default=None,
+        help="file holding the shared secret (see --cluster-key)",
+    )
     node.add_argument("--data-dir", type=Path, default=None, help="identity and logs (default: XDG data dir)")
     node.add_argument(
         "--models-dir", type=Path, default=None, help="models this node holds (default: the cache)"
     )
     node.add_argument("--memory-limit", default=None, help="memory this node offers, e.g. 24G")
     node.add_argument("--no-worker", action="store_true", help="never hold a stage")
-    node.add_argument("--name", default=None)
+    node.add_argument("--name", default=None, help="a readable name for this node (default: the host name)")
     node.add_argument("--threads", type=int, default=0, help="threads per runner (0: cores / stages)")
-    node.add_argument("--prefill-step", type=int, default=settings.default("prefill_step"))
-    node.add_argument("--max-queue", type=int, default=settings.default("max_queue"))
+    node.add_argument(
+        "--prefill-step",
+        type=int,
+        default=settings.default("prefill_step"),
+        help="prompt tokens per prefill chunk",
+    )
+    node.add_argument(
+        "--max-queue",
+        type=int,
+        default=settings.default("max_queue"),
+        help="requests an instance's leader holds before refusing more",
+    )
     node.add_argument(
         "--max-batch",
         type=int,
@@ -306,23 +318,39 @@ def add_commands(sub: Any) -> None:
     node.set_defaults(func=cmd_node)
 
     up = sub.add_parser("up", help="a local cluster of N node daemons serving a model")
-    up.add_argument("--nodes", type=int, default=2)
-    up.add_argument("--model", default=None)
-    up.add_argument("--port", type=int, default=DEFAULT_PORT)
+    up.add_argument("--nodes", type=int, default=2, help="node daemons to start on this machine")
+    up.add_argument(
+        "--model", default=None, help="model name or mlx-lm model directory (default: the built-in model)"
+    )
+    up.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="cluster port of the first node (the others join it)"
+    )
     up.add_argument("--api-port", type=int, default=8000, help="node i serves HTTP on this port + i")
-    up.add_argument("--data-dir", type=Path, default=None)
-    up.add_argument("--timeout", type=float, default=600.0)
+    up.add_argument(
+        "--data-dir", type=Path, default=None, help="node i keeps its identity and logs in DIR/node-i"
+    )
+    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to be ready")
     up.add_argument("--ask", default=None, help="once ready, stream the answer to this prompt")
     up.set_defaults(func=cmd_up)
 
     place = sub.add_parser("place", help="place a model on a running cluster (or preview with --dry-run)")
-    place.add_argument("model")
-    place.add_argument("--cluster", default=f"tcp/127.0.0.1:{DEFAULT_PORT}")
-    place.add_argument("--namespace", default="shardline")
-    place.add_argument("--cluster-key", default=None)
-    place.add_argument("--cluster-key-file", type=Path, default=None)
-    place.add_argument("--dry-run", action="store_true")
-    place.add_argument("--sequences", type=int, default=4)
-    place.add_argument("--reserve-tokens", type=int, default=None)
-    place.add_argument("--timeout", type=float, default=600.0)
+    place.add_argument("model", help="the model to place (a name some node holds)")
+    place.add_argument(
+        "--cluster", default=f"tcp/127.0.0.1:{DEFAULT_PORT}", help="endpoint of any node of the cluster"
+    )
+    place.add_argument("--namespace", default="shardline", help="the cluster's namespace")
+    place.add_argument("--cluster-key", default=None, help="the cluster's shared secret")
+    place.add_argument(
+        "--cluster-key-file", type=Path, default=None, help="file holding the cluster's shared secret"
+    )
+    place.add_argument(
+        "--dry-run", action="store_true", help="print where the stages would go; place nothing"
+    )
+    place.add_argument("--sequences", type=int, default=4, help="concurrent requests to reserve KV cache for")
+    place.add_argument(
+        "--reserve-tokens", type=int, default=None, help="KV cache tokens per sequence (default: the model's)"
+    )
+    place.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the instance to be ready"
+    )
     place.set_defaults(func=cmd_place)

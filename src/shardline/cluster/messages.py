@@ -135,6 +135,9 @@ class Place(Wire):
     model: str
     request: PlacementRequest = PlacementRequest()
     dry_run: bool = False
+    # Place only when the model has no live instance, else answer with that one (the API's auto-place:
+    # requests through different nodes may ask for the same model at once).
+    if_absent: bool = False
     nonce: str = ""  # the same query sent again (a retry) is answered once
     if_absent: bool = False  # an instance of the model exists already (not failed): that one is the answer
 

@@ -54,7 +54,6 @@ _ITEMSIZE = {
 }  # fmt: skip
 
 
-
 def _output_header(layout: list[tuple[str, TensorEntry]], metadata: dict[str, str]) -> bytes:
     header: dict[str, object] = {}
     offset = 0

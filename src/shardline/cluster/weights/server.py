@@ -19,6 +19,7 @@ from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply, key_pre
 
 log = logging.getLogger("shardline.weights")
 
+
 class _Refused(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

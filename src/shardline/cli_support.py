@@ -1,0 +1,42 @@
+"""Helpers every command shares (shardline.cli and shardline.cluster.cli both import them; neither imports
+the other for them, so the two command modules do not form an import circle)."""
+
+from __future__ import annotations
+
+import sys
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 2."""
+
+
+def positive(value: int, name: str) -> int:
+    if value < 1:
+        raise CliError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def encode_prompt(tokenizer: object, prompt: str, raw: bool) -> list[int]:
+    """The prompt's token ids: through the chat template unless `raw` (or the model has none)."""
+    if getattr(tokenizer, "chat_template", None) and not raw:
+        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+    return tokenizer.encode(prompt)  # type: ignore[attr-defined]
+
+
+def stream_tokens(handle: object, tokenizer: object) -> None:
+    """Print a request's text to stdout as its tokens arrive; Ctrl-C cancels the request."""
+    detok = tokenizer.detokenizer  # type: ignore[attr-defined]
+    detok.reset()
+    try:
+        for tok in handle:  # type: ignore[attr-defined]
+            detok.add_token(tok.token)
+            sys.stdout.write(detok.last_segment)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        handle.cancel()  # type: ignore[attr-defined]
+        raise
+    detok.finalize()
+    sys.stdout.write(detok.last_segment + "\n")

@@ -1,0 +1,56 @@
+"""Every flag of every `shardline` command says what it does, and the two command modules share their helpers
+through shardline.cli_support instead of importing each other."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardline.cli import build_parser
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "shardline"
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, f"{path} {name}")
+
+
+@pytest.mark.timeout(60)
+def test_every_flag_of_every_command_has_help():
+    missing = []
+    seen = set()
+    for path, parser in _parsers(build_parser(), "shardline"):
+        seen.add(path)
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            if not (action.help or "").strip() or action.help == argparse.SUPPRESS:
+                missing.append(f"{path}: {'/'.join(action.option_strings) or action.dest}")
+    # The walk reaches the nested commands (a parser tree it did not walk would pass vacuously).
+    assert {"shardline up", "shardline node", "shardline bench serve", "shardline models pull"} <= seen
+    assert not missing, "flags without help:\n" + "\n".join(missing)
+
+
+def _shardline_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return {n for n in names if n.startswith("shardline")}
+
+
+@pytest.mark.timeout(60)
+def test_cluster_cli_does_not_import_the_top_cli():
+    assert "shardline.cli" not in _shardline_imports(SRC / "cluster" / "cli.py")
+    assert "shardline.cli_support" in _shardline_imports(SRC / "cluster" / "cli.py")
+    assert "shardline.cli_support" in _shardline_imports(SRC / "cli.py")

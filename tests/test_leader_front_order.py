@@ -127,3 +127,40 @@ def test_request_module_does_not_import_the_front() -> None:
         getattr(n, "module", None) or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import)
     ]
     assert not any("front.front" in name for name in names)
+
+
+@pytest.mark.timeout(30)
+def test_a_cancel_racing_a_submit_never_precedes_it_on_the_control_channel(monkeypatch: Any) -> None:
+    from shardline.dataplane.transport import Inbox, Keys, open_session
+    from shardline.front.front import Front, ModelLimits
+    from shardline.front.request import RequestState
+
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    keys = Keys(f"order-{id(session)}")
+    control = Inbox(session, 1, name="leader")
+    control.subscribe(keys.at(1).control, m.CONTROL, "control")
+    front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
+    try:
+        front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+        assert front.serving.wait(10)
+        real_spec = RequestState.spec
+
+        def spec_then_cancel(state: RequestState, resume: str = "exact") -> m.RequestSpec:
+            # The cancel lands between the claim and the send: the race of a recovery's resubmit.
+            if state.request_id == "victim":
+                front.cancel("victim")
+            return real_spec(state, resume)
+
+        monkeypatch.setattr(RequestState, "spec", spec_then_cancel)
+        front.submit([1, 2, 3], max_tokens=4, request_id="victim")
+        front.submit([1, 2, 3], max_tokens=4, request_id="marker")  # in order: after it, all has arrived
+        got: list[Any] = []
+        while not (got and isinstance(got[-1], m.Submit) and got[-1].request.request_id == "marker"):
+            got.append(control.get(timeout=10).message)
+        kinds = [(type(x).__name__, getattr(x, "request_id", None) or x.request.request_id) for x in got]
+        victim = [k for k, rid in kinds if rid == "victim"]
+        assert victim in ([], ["Cancel"], ["Submit", "Cancel"]), kinds
+    finally:
+        front.close()
+        control.close()
+        session.close()

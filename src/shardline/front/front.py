@@ -123,7 +123,7 @@ class Front:
             stop_tokens=list(stop_tokens or []),
             want_logits=want_logits,
         )
-        handle = RequestHandle(self, state)
+        handle = RequestHandle(state, self.cancel)
         with self._lock:
             if self.closed:
                 raise EngineError("engine is shut down")
@@ -216,6 +216,10 @@ class Front:
         for h in handles:
             spec = h.state.spec(self.resume)
             with self._send_lock:
+                # cancel() finishes the handle before it takes the send lock to send its Cancel: checked
+                # here, under that lock, a Submit either goes before the Cancel or not at all (no orphan).
+                if h.done:
+                    continue
                 self._seq += 1
                 seq = self._seq
                 h.state.sent_seq = seq  # before the put: a beat covering seq must find it set

@@ -7,16 +7,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.errors import RequestError
-
-if TYPE_CHECKING:
-    from shardline.front.front import Front
 
 
 @dataclass
@@ -78,8 +74,9 @@ class RequestHandle:
     Every handle ends: with its tokens and a finish reason, or with an error (the front guarantees it).
     """
 
-    def __init__(self, front: Front, state: RequestState) -> None:
-        self._front = front
+    def __init__(self, state: RequestState, cancel: Callable[[str], None]) -> None:
+        # A callback rather than the front itself: the handle needs only this, and request.py stays a leaf.
+        self._cancel = cancel
         self.state = state
         self._queue: queue.Queue[Token | object] = queue.Queue()  # at most max_tokens + 1 items
         self._done = threading.Event()
@@ -174,4 +171,4 @@ class RequestHandle:
         return list(self.state.generated)
 
     def cancel(self) -> None:
-        self._front.cancel(self.request_id)
+        self._cancel(self.request_id)

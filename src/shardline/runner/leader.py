@@ -63,6 +63,9 @@ class Leader:
         self.reserved: dict[str, int] = {}
         self.in_flight: OrderedDict[int, InFlight] = OrderedDict()  # step seq -> step, oldest first
         self.seen: dict[str, int] = {}  # front -> last control seq
+        # Every request held (waiting or admitted), in one dict the beat copies in one step: a request moves
+        # from `waiting` to `requests` without ever leaving this, so no beat can catch it in neither.
+        self.held: dict[str, None] = {}
         self.early: list[Envelope] = []  # control messages that arrived during warm-up
         self.stage_speed = [Speed(attn_keys=runner.speed.attn_keys) for _ in range(self.spec.stages)]
         self.row_costs = RowCosts.for_stages(self.spec.stages)
@@ -205,12 +208,15 @@ class Leader:
     def handle(self, env: Any) -> None:
         msg = env.message
         if isinstance(msg, m.Submit | m.Cancel):
+            if isinstance(msg, m.Submit):
+                self.on_submit(msg.request)
+            else:
+                self.on_cancel(msg.request_id)
+            # Seen only once handled: a beat that counts this seq must already hold the request (or its end
+            # went out before the beat), else the front reads a request the leader never had as lost.
             self.seen[msg.front] = max(self.seen.get(msg.front, -1), msg.seq)
-        if isinstance(msg, m.Submit):
-            self.on_submit(msg.request)
-        elif isinstance(msg, m.Cancel):
-            self.on_cancel(msg.request_id)
-        elif isinstance(msg, m.Rejoin):
+            return
+        if isinstance(msg, m.Rejoin):
             raise RejoinRequested(msg.spec)
         elif isinstance(msg, m.Shutdown):
             if self.r.downstream is not None:
@@ -235,6 +241,7 @@ class Leader:
         else:
             if not spec.generated and spec.index_base == 0:  # a resumed request has had its first token
                 self.submitted_at[rid] = time.monotonic()
+            self.held[rid] = None
             self.waiting.append(spec)
             self.admit()
 
@@ -254,6 +261,7 @@ class Leader:
         for spec in self.waiting:
             if spec.request_id == request_id:
                 self.waiting.remove(spec)
+                self.held.pop(request_id, None)
                 self.submitted_at.pop(request_id, None)
                 self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=spec.index_base))
                 return
@@ -390,6 +398,7 @@ class Leader:
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id)
         req.released = True
+        self.held.pop(request_id, None)
         self.submitted_at.pop(request_id, None)
         self.reserved.pop(request_id, None)
         self.worker.release(request_id)
@@ -398,17 +407,17 @@ class Leader:
         self.admit()
 
     def beat(self) -> None:
-        """From the heartbeat thread: snapshots of dicts and deques are atomic under the GIL."""
-        running = list(self.requests)
-        held = [*running, *(s.request_id for s in list(self.waiting))]
+        """From the heartbeat thread: each copy is atomic under the GIL, and `seen` is copied first.
+
+        The leader thread adds a request to `held` before it counts its seq in `seen`, and drops it only
+        after its end went out; so every request this beat counts as seen is in `held` or has ended."""
+        seen = dict(self.seen)
+        held = list(self.held)
+        running = len(self.requests)
         ttfts = []
         while self.ttfts:
             ttfts.append(self.ttfts.popleft())
-        self.emit(
-            m.LeaderBeat(
-                seen=dict(self.seen), requests=held, running=len(running), tokens=self.sampled, ttft_s=ttfts
-            )
-        )
+        self.emit(m.LeaderBeat(seen=seen, requests=held, running=running, tokens=self.sampled, ttft_s=ttfts))
 
     def emit(self, event: Any, tensor: Any = None) -> None:
         assert self.r.events is not None

@@ -1,0 +1,166 @@
+"""Orderings between the leader's beat and its handling of Submit, and between a front's Submit and Cancel.
+
+The beat test is deterministic: a tracer takes a beat at every line the leader runs while it handles a
+Submit (every point the heartbeat thread could interleave), and checks what the front would conclude."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shardline.dataplane import messages as m
+from shardline.runner.leader import Leader
+
+
+class Events:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, event: Any, tensor: Any = None) -> None:
+        self.sent.append(event)
+
+
+def stub_leader() -> tuple[Leader, Events]:
+    events = Events()
+    spec = SimpleNamespace(
+        stages=1, layer_end=1, layer_start=0, layer_total=1, kv_budget_bytes=0, max_waiting=16, prefill_step=8
+    )
+    runner = SimpleNamespace(
+        spec=spec,
+        worker=SimpleNamespace(kv_bytes_per_token=8),
+        speed=SimpleNamespace(attn_keys=0),
+        events=events,
+        inbox=SimpleNamespace(drop=lambda why: None),
+        downstream=None,
+    )
+    return Leader(runner), events  # type: ignore[arg-type]
+
+
+def lost_by_beats(leader: Leader, events: Events, submit: m.Submit) -> list[int]:
+    """Beat at every line of the leader's handling; the lines whose beat reads the request as lost."""
+    lost: list[int] = []
+    code_files = {Leader.handle.__code__.co_filename}
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename not in code_files:
+            return None
+        if event == "line" and frame.f_code.co_name != "beat":
+            sys.settrace(None)
+            ends_before = {e.request_id for e in events.sent if isinstance(e, m.Finished | m.RequestFailed)}
+            leader.beat()
+            beat = events.sent.pop()
+            assert isinstance(beat, m.LeaderBeat)
+            rid = submit.request.request_id
+            seen = beat.seen.get(submit.front, -1) >= submit.seq
+            if seen and rid not in beat.requests and rid not in ends_before:
+                lost.append(frame.f_lineno)
+            sys.settrace(tracer)
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        leader.handle(SimpleNamespace(message=submit))
+    finally:
+        sys.settrace(None)
+    return lost
+
+
+@pytest.mark.timeout(10)
+def test_no_beat_reads_a_submit_being_handled_as_lost() -> None:
+    leader, events = stub_leader()
+    spec = m.RequestSpec(request_id="r1", prompt=[1, 2, 3], max_tokens=4)
+    assert lost_by_beats(leader, events, m.Submit(front="f", seq=1, request=spec)) == []
+    leader.beat()
+    beat = events.sent.pop()
+    assert beat.seen == {"f": 1} and beat.requests == ["r1"] and beat.running == 1
+
+
+@pytest.mark.timeout(10)
+def test_no_beat_reads_a_waiting_request_being_admitted_as_lost() -> None:
+    leader, events = stub_leader()
+    leader.spec.kv_budget_bytes = 10**9
+    first = m.RequestSpec(request_id="r1", prompt=[1] * 3, max_tokens=4)
+    leader.handle(SimpleNamespace(message=m.Submit(front="f", seq=1, request=first)))
+    # r2 waits for KV, then is admitted inside r1's release: a beat must never miss it.
+    leader.spec.kv_budget_bytes = leader.reserved["r1"]
+    second = m.RequestSpec(request_id="r2", prompt=[1] * 3, max_tokens=4)
+    leader.handle(SimpleNamespace(message=m.Submit(front="f", seq=2, request=second)))
+    assert [s.request_id for s in leader.waiting] == ["r2"]
+    leader.on_cancel("r1")
+    release = m.Submit(front="f", seq=2, request=second)  # only for the lost-check's bookkeeping
+
+    lost: list[int] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != Leader.release.__code__.co_filename:
+            return None
+        if event == "line" and frame.f_code.co_name != "beat":
+            sys.settrace(None)
+            leader.beat()
+            beat = events.sent.pop()
+            if "r2" not in beat.requests:
+                lost.append(frame.f_lineno)
+            sys.settrace(tracer)
+        return tracer
+
+    leader.r.worker.release = lambda rid: None
+    sys.settrace(tracer)
+    try:
+        leader.release("r1")
+    finally:
+        sys.settrace(None)
+    assert release.seq == 2 and lost == []
+    assert "r2" in leader.requests
+
+
+@pytest.mark.timeout(10)
+def test_request_module_does_not_import_the_front() -> None:
+    import shardline.front.request as request
+
+    tree = ast.parse(Path(request.__file__).read_text())
+    names = [
+        getattr(n, "module", None) or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import)
+    ]
+    assert not any("front.front" in name for name in names)
+
+
+@pytest.mark.timeout(30)
+def test_a_cancel_racing_a_submit_never_precedes_it_on_the_control_channel(monkeypatch: Any) -> None:
+    from shardline.dataplane.transport import Inbox, Keys, open_session
+    from shardline.front.front import Front, ModelLimits
+    from shardline.front.request import RequestState
+
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    keys = Keys(f"order-{id(session)}")
+    control = Inbox(session, 1, name="leader")
+    control.subscribe(keys.at(1).control, m.CONTROL, "control")
+    front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
+    try:
+        front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+        assert front.serving.wait(10)
+        real_spec = RequestState.spec
+
+        def spec_then_cancel(state: RequestState, resume: str = "exact") -> m.RequestSpec:
+            # The cancel lands between the claim and the send: the race of a recovery's resubmit.
+            if state.request_id == "victim":
+                front.cancel("victim")
+            return real_spec(state, resume)
+
+        monkeypatch.setattr(RequestState, "spec", spec_then_cancel)
+        front.submit([1, 2, 3], max_tokens=4, request_id="victim")
+        front.submit([1, 2, 3], max_tokens=4, request_id="marker")  # in order: after it, all has arrived
+        got: list[Any] = []
+        while not (got and isinstance(got[-1], m.Submit) and got[-1].request.request_id == "marker"):
+            got.append(control.get(timeout=10).message)
+        kinds = [(type(x).__name__, getattr(x, "request_id", None) or x.request.request_id) for x in got]
+        victim = [k for k, rid in kinds if rid == "victim"]
+        assert victim in ([], ["Cancel"], ["Submit", "Cancel"]), kinds
+    finally:
+        front.close()
+        control.close()
+        session.close()

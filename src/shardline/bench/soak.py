@@ -174,7 +174,7 @@ class Soak:
         self.t0 = time.monotonic()
         self.rss: dict[str, list[tuple[float, int]]] = defaultdict(list)
         self.masters: dict[int, set[str]] = defaultdict(set)
-        self.orphans: set[int] = set()
+        self.orphans: dict[int, str] = {}  # pid -> when it was found
         self.expected: dict[int, str] = {}
         self.fault_log: list[dict[str, Any]] = []
 
@@ -257,7 +257,8 @@ class Soak:
             self.expected[i] = r.choices[0].message.content or ""
 
     def _killed_during(self, node_id: str, start: float) -> bool:
-        return any(t >= start - 0.5 for t in self.kill_times.get(node_id, []))
+        now = time.monotonic()
+        return any(start - 0.5 <= t <= now for t in self.kill_times.get(node_id, []))
 
     def one(self, clients: dict[str, Any], rng: random.Random, start_node: int) -> None:
         """One logical request: tried on the nodes in turn while they refuse the connection."""
@@ -274,7 +275,7 @@ class Soak:
                     base_url=url + "/v1",
                     api_key="-",
                     max_retries=0,
-                    timeout=httpx.Timeout(self.deadline_s, connect=3.0),
+                    timeout=openai.Timeout(self.deadline_s, connect=3.0),
                 )
             sent = time.monotonic()
             try:
@@ -295,11 +296,8 @@ class Soak:
                     text = r.choices[0].message.content or ""
             except openai.APIConnectionError as exc:
                 cause = exc.__cause__
-                if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout) or (
-                    isinstance(exc, openai.APIConnectionError)
-                    and not isinstance(exc, openai.APITimeoutError)
-                    and "connect" in repr(cause).lower()
-                ):
+                # The client's transport (httpx or httpx2) failed to connect: never accepted.
+                if type(cause).__name__ in ("ConnectError", "ConnectTimeout"):
                     self.c.add(unreachable=1)  # never accepted: try the next node
                     continue
                 if self._killed_during(nid, sent):
@@ -317,7 +315,7 @@ class Soak:
                 else:
                     self.stop.wait(0.5)
                 return
-            except (openai.APIError, httpx.HTTPError) as exc:  # an error event or a broken stream mid-answer
+            except Exception as exc:  # an error event or a broken stream mid-answer
                 if self._killed_during(nid, sent):
                     self.c.add(cut=1)
                 else:
@@ -339,7 +337,10 @@ class Soak:
         clients: dict[str, Any] = {}
         n = 0
         while not self.load_over.is_set():
-            self.one(clients, rng, (w + n) % len(self.ids))
+            try:
+                self.one(clients, rng, (w + n) % len(self.ids))
+            except Exception as exc:  # the bench's own bug: said, counted as lost, never a dead worker
+                self.c.lose(f"client error {type(exc).__name__}: {exc}")
             n += 1
         for c in clients.values():
             c.close()
@@ -456,7 +457,10 @@ class Soak:
         for p in psutil.process_iter(["cmdline"]):
             try:
                 cmd = " ".join(p.info["cmdline"] or [])
-                if "shardline" in cmd and "runner" in cmd and p.environ().get(MARKER) == self.run_id:
+                runner = (
+                    "shardline.runner" in cmd or "shardline runner" in cmd
+                )  # not a node's --runner-settings
+                if runner and p.environ().get(MARKER) == self.run_id:
                     out.append(p)
             except psutil.Error:
                 pass
@@ -472,7 +476,7 @@ class Soak:
                     continue
                 # Its node is gone: it has the grace to notice and exit.
                 if now - self.orphaned_since.setdefault(p.pid, now) > ORPHAN_GRACE_S:
-                    self.orphans.add(p.pid)
+                    self.orphans.setdefault(p.pid, "its node gone, during the run")
             except psutil.Error:
                 pass
 
@@ -681,7 +685,7 @@ def run(
             time.sleep(0.5)
             left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         for p in left:
-            soak.orphans.add(p.pid)
+            soak.orphans.setdefault(p.pid, "alive after the cluster shut down")
             try:
                 p.kill()
             except psutil.Error:
@@ -693,6 +697,7 @@ def run(
         shutil.rmtree(root, ignore_errors=True)
     assert result is not None
     result["orphan_processes"] = len(soak.orphans)
+    result["orphans"] = [f"{pid}: {why}" for pid, why in soak.orphans.items()]
     result["targets_met"] = _targets(result)
     summary = (
         f"\nbench soak: {result['minutes']:g} min, {nodes} nodes, {result['machine']}\n"

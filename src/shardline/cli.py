@@ -188,7 +188,18 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         _positive(args.concurrency, "--concurrency")
     model = None if args.model in (None, "default") else args.model
-    run(minutes, args.nodes, args.json, model, args.concurrency, args.seed, args.max_tokens)
+    if args.fault_interval is not None and not args.fault_interval > 0:
+        raise CliError("--fault-interval must be > 0")
+    run(
+        minutes,
+        args.nodes,
+        args.json,
+        model,
+        args.concurrency,
+        args.seed,
+        args.max_tokens,
+        args.fault_interval,
+    )
     return 0
 
 
@@ -277,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     bso.add_argument("--concurrency", type=int, default=None, help="client threads (default: 2 per node)")
     bso.add_argument("--seed", type=int, default=0)
     bso.add_argument("--max-tokens", type=int, default=None)
+    bso.add_argument(
+        "--fault-interval", type=float, default=None, help="mean seconds between faults (default 60)"
+    )
     bso.set_defaults(func=cmd_bench_soak)
     return parser
 

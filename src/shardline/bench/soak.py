@@ -54,6 +54,7 @@ QUESTIONS = [
 ]
 MARKER = "SHARDLINE_SOAK_RUN"  # in every node's (so every runner's) environment: the run they belong to
 ORPHAN_GRACE_S = 10.0  # a runner may outlive its node this long (it notices and exits) before it is an orphan
+FAULT_INTERVAL_S = 60.0  # mean seconds between node kills and stops (shorter runs: a sixth of the run)
 RESTART_EXCLUDE_S = 60.0  # RSS samples this soon after a node (re)started are not compared
 TARGETS = {
     "requests_lost": "== 0",
@@ -81,6 +82,13 @@ class Counts:
     stops: int = 0
     ttft: list[float] = field(default_factory=list)
     lost_examples: list[str] = field(default_factory=list)
+    http_5xx_examples: list[str] = field(default_factory=list)
+
+    def server_error(self, what: str) -> None:
+        with self.lock:
+            self.http_5xx += 1
+            if len(self.http_5xx_examples) < 20:
+                self.http_5xx_examples.append(what[:300])
 
     def add(self, **kw: int) -> None:
         with self.lock:
@@ -152,6 +160,7 @@ class Soak:
         max_tokens: int,
         deadline_s: float,
         recover_s: float,
+        fault_interval_s: float,
     ) -> None:
         self.cluster = cluster
         self.model = model
@@ -161,6 +170,7 @@ class Soak:
         self.max_tokens = max_tokens
         self.deadline_s = deadline_s
         self.recover_s = recover_s
+        self.fault_interval_s = fault_interval_s
         self.ids = list(cluster.nodes)
         self.c = Counts()
         self.stop = threading.Event()  # Ctrl-C or the end of the run: every thread returns soon after
@@ -309,7 +319,9 @@ class Soak:
                 return
             except openai.APIStatusError as exc:
                 code = exc.status_code
-                self.c.add(http_5xx=int(code >= 500), refused=int(code in (429, 503)))
+                self.c.add(refused=int(code in (429, 503)))
+                if code >= 500:
+                    self.c.server_error(f"{nid} HTTP {code}: {str(exc)[:200]}")
                 if code not in (429, 503):
                     self.c.lose(f"{nid} HTTP {code}: {str(exc)[:200]}")
                 else:
@@ -372,7 +384,8 @@ class Soak:
                     "POST", url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, connect=2)
                 ) as r:
                     if r.status_code >= 500:
-                        self.c.add(http_5xx=1)
+                        r.read()
+                        self.c.server_error(f"{nid} disconnect request: {r.status_code} {r.text[:200]}")
                     got = 0
                     for b in r.iter_bytes():
                         got += len(b)
@@ -440,7 +453,9 @@ class Soak:
 
     def chaos(self) -> None:
         rng = random.Random(self.seed)
-        lo, hi = (2.0, 6.0) if self.seconds < 120 else (5.0, 20.0)
+        # Gaps of 0.75-1.5x the interval: the controller's restart budget (3 in 120 s by default) holds
+        # for faults a minute apart, and one fault may cost two restarts (a node stop: a leave and a rejoin).
+        lo, hi = 0.75 * self.fault_interval_s, 1.5 * self.fault_interval_s
         end = self.t0 + self.seconds - 5.0  # no new fault in the last seconds: every fault gets its recovery
         while not self.load_over.wait(rng.uniform(lo, hi)):
             if time.monotonic() >= end:
@@ -583,6 +598,7 @@ class Soak:
             "nodes": len(self.ids),
             "model": self.model,
             "concurrency": self.concurrency,
+            "fault_interval_s": round(self.fault_interval_s, 1),
             "seed": self.seed,
             "requests_ok": c.ok,
             "requests_lost": c.lost,
@@ -603,7 +619,12 @@ class Soak:
             "stops": c.stops,
             "disconnects": c.disconnects,
             "faults": self.fault_log,
+            "instances_final": [
+                {k: i.get(k) for k in ("instance", "phase", "generation", "recoveries")}
+                for i in self.state().get("instances", [])
+            ],
             "lost_examples": c.lost_examples,
+            "http_5xx_examples": c.http_5xx_examples,
             "machine": _cpu(),
         }
 
@@ -628,6 +649,7 @@ def run(
     concurrency: int | None = None,
     seed: int = 0,
     max_tokens: int | None = None,
+    fault_interval_s: float | None = None,
 ) -> dict[str, Any]:
     """The soak; `model` is None (the default model), "tiny" (a tiny random model, for smoke runs) or a path
     or name `resolve_model` knows."""
@@ -662,6 +684,7 @@ def run(
         max_tokens=max_tokens or (16 if tiny else 32),
         deadline_s=60.0 if tiny else 180.0,
         recover_s=60.0 if tiny else 180.0,
+        fault_interval_s=fault_interval_s or min(FAULT_INTERVAL_S, max(3.0, minutes * 60 / 6)),
     )
     soak.run_id = run_id
     result: dict[str, Any] | None = None

@@ -629,6 +629,10 @@ class Soak:
         }
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _targets(r: dict[str, Any]) -> dict[str, bool | None]:
     rss = [v for v in (r["rss_growth_ratio"] or {}).values() if v is not None]
     return {
@@ -688,6 +692,10 @@ def run(
     )
     soak.run_id = run_id
     result: dict[str, Any] | None = None
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends the run like Ctrl-C: the cluster is shut down and every process it started is gone.
+        restore = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
         soak.setup()
@@ -713,6 +721,8 @@ def run(
                 p.kill()
             except psutil.Error:
                 pass
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)
         if old is None:
             os.environ.pop(MARKER, None)
         else:

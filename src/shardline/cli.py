@@ -152,6 +152,32 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from shardline.bench.soak import run
+
+    minutes = args.seconds / 60 if args.seconds is not None else args.minutes
+    if not minutes > 0:
+        raise CliError("--minutes (or --seconds) must be > 0")
+    if args.nodes < 2:
+        raise CliError(f"--nodes must be at least 2, got {args.nodes}")
+    if args.concurrency is not None:
+        _positive(args.concurrency, "--concurrency")
+    model = None if args.model in (None, "default") else args.model
+    if args.fault_interval is not None and not args.fault_interval > 0:
+        raise CliError("--fault-interval must be > 0")
+    run(
+        minutes,
+        args.nodes,
+        args.json,
+        model,
+        args.concurrency,
+        args.seed,
+        args.max_tokens,
+        args.fault_interval,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO level)")
@@ -230,6 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bs.add_argument("--pairs", type=int, default=3, help="alternating HTTP / Python API rounds")
     bs.set_defaults(func=cmd_bench_serve)
+    bso = bsub.add_parser(
+        "soak", help="minutes of HTTP load through every node of a local cluster, with chaos"
+    )
+    bso.add_argument("--minutes", type=float, default=10.0)
+    bso.add_argument("--seconds", type=float, default=None, help="instead of --minutes (smoke runs)")
+    bso.add_argument("--nodes", type=int, default=3)
+    bso.add_argument("--json", type=Path, default=None)
+    bso.add_argument("--model", default=None, help="default, tiny (a tiny random model), or a name or path")
+    bso.add_argument("--concurrency", type=int, default=None, help="client threads (default: 2 per node)")
+    bso.add_argument("--seed", type=int, default=0)
+    bso.add_argument("--max-tokens", type=int, default=None)
+    bso.add_argument(
+        "--fault-interval", type=float, default=None, help="mean seconds between faults (default 60)"
+    )
+    bso.set_defaults(func=cmd_bench_soak)
     return parser
 
 

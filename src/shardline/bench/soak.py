@@ -1,0 +1,752 @@
+"""`shardline bench soak`: minutes of HTTP load near capacity through every node of a local cluster, chaos.
+
+A local N-node cluster (loopback endpoints, multicast scouting off: nothing on real interfaces) places the
+model, then K client threads send chat completions (streamed and whole, temperature 0 and a fixed seed) with
+the official `openai` client to every node's HTTP port in turn, for the whole run. Meanwhile, at random
+(seeded) intervals: a node is SIGKILLed and restarted, a node or a runner is SIGSTOPped for a bounded pause
+and SIGCONTed, and raw httpx clients hang up before the first byte or after a few bytes.
+
+What counts:
+- every greedy answer must equal the first clean answer to the same prompt (taken before the chaos starts);
+- requests_lost: requests a node accepted that never got an answer within the deadline, or got a wrong one;
+  429/503 refusals are `refused`; a failed connection (a node down) is `unreachable`, and the client retries
+  on the next node; a request whose own node was SIGKILLed under it is `cut_by_node_kill` (its front is gone,
+  as the design allows), not lost;
+- http_5xx, leaked_slots (`pending` of /health, or `shardline_requests_pending` of /metrics, once idle),
+  rss_growth_ratio per node, orphan_processes, masters_per_term_max, time to first token, the faults done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import psutil
+
+from shardline.testing.cluster import FAST_RUNNERS, MODEL_RUNNERS, LocalCluster, NodeProc
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain how the tides work.",
+    "Name three colours of the rainbow.",
+    "What makes a good cup of tea?",
+    "Describe a walk through a forest in autumn.",
+    "Why is the sky blue?",
+    "Give me a tip for learning to cook.",
+]
+MARKER = "SHARDLINE_SOAK_RUN"  # in every node's (so every runner's) environment: the run they belong to
+ORPHAN_GRACE_S = 10.0  # a runner may outlive its node this long (it notices and exits) before it is an orphan
+FAULT_INTERVAL_S = 60.0  # mean seconds between node kills and stops (shorter runs: a sixth of the run)
+RESTART_EXCLUDE_S = 60.0  # RSS samples this soon after a node (re)started are not compared
+TARGETS = {
+    "requests_lost": "== 0",
+    "http_5xx": "== 0",
+    "leaked_slots": "== 0",
+    "orphan_processes": "== 0",
+    "masters_per_term_max": "== 1",
+    "rss_growth_ratio": "<= 1.05",
+}
+
+
+@dataclass
+class Counts:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ok: int = 0
+    lost: int = 0
+    wrong: int = 0
+    timed_out: int = 0
+    refused: int = 0
+    unreachable: int = 0
+    cut: int = 0
+    http_5xx: int = 0
+    disconnects: int = 0
+    kills: int = 0
+    stops: int = 0
+    ttft: list[float] = field(default_factory=list)
+    lost_examples: list[str] = field(default_factory=list)
+    http_5xx_examples: list[str] = field(default_factory=list)
+
+    def server_error(self, what: str) -> None:
+        with self.lock:
+            self.http_5xx += 1
+            if len(self.http_5xx_examples) < 20:
+                self.http_5xx_examples.append(what[:300])
+
+    def add(self, **kw: int) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def lose(self, why: str, **kw: int) -> None:
+        with self.lock:
+            self.lost += 1
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+            if len(self.lost_examples) < 20:
+                self.lost_examples.append(why[:300])
+
+
+def tiny_chat_model(path: Path, seed: int = 0) -> Path:
+    """A tiny random llama with the default model's tokenizer (so the HTTP API can tokenize chats)."""
+    from shardline.models.registry import resolve_model
+    from shardline.testing.tiny import make_tiny_model
+
+    src = resolve_model(None, progress=False)
+    vocab = int(json.loads((src / "config.json").read_text())["vocab_size"])
+    make_tiny_model(path, "llama", seed=seed, vocab=vocab, layers=6)
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
+        if (src / name).is_file():
+            shutil.copy(src / name, path / name)
+    return path
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[min(len(s) - 1, round(q * (len(s) - 1)))], 3)
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _get(url: str, timeout: float = 2.0) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+
+
+class Soak:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        model: str,
+        seconds: float,
+        concurrency: int,
+        seed: int,
+        max_tokens: int,
+        deadline_s: float,
+        recover_s: float,
+        fault_interval_s: float,
+    ) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.seconds = seconds
+        self.concurrency = concurrency
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.deadline_s = deadline_s
+        self.recover_s = recover_s
+        self.fault_interval_s = fault_interval_s
+        self.ids = list(cluster.nodes)
+        self.c = Counts()
+        self.stop = threading.Event()  # Ctrl-C or the end of the run: every thread returns soon after
+        self.load_over = threading.Event()
+        self.apis: dict[str, str] = {}
+        self.api_lock = threading.Lock()
+        self.kill_times: dict[str, list[float]] = defaultdict(list)  # node -> when it was SIGKILLed
+        self.restarts: dict[str, list[float]] = defaultdict(list)  # node -> when it was restarted
+        self.orphaned_since: dict[int, float] = {}  # runner pid -> when it was first seen without its node
+        self.run_id = ""
+        self.t0 = time.monotonic()
+        self.rss: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self.masters: dict[int, set[str]] = defaultdict(set)
+        self.orphans: dict[int, str] = {}  # pid -> when it was found
+        self.expected: dict[int, str] = {}
+        self.fault_log: list[dict[str, Any]] = []
+
+    # ---- the cluster -------------------------------------------------------------------------------------
+
+    def api(self, node_id: str) -> str:
+        with self.api_lock:
+            return self.apis[node_id]
+
+    def _read_api(self, n: NodeProc, timeout: float) -> str:
+        path = n.data_dir / "api-url"
+        deadline = time.monotonic() + timeout
+        while not path.is_file():
+            if time.monotonic() > deadline or (n.proc is not None and n.proc.poll() is not None):
+                raise RuntimeError(f"node {n.node_id} serves no HTTP API:\n{n.tail()}")
+            self.stop.wait(0.1)
+        return path.read_text().strip()
+
+    def state(self, node_id: str | None = None) -> dict[str, Any]:
+        for nid in [node_id] if node_id else self.ids:
+            r = _get(self.api(nid) + "/state", 3.0)
+            if r is not None and r.status_code == 200:
+                return r.json()
+        return {}
+
+    def healthy(self) -> bool:
+        """Every node answers /health, sees every node alive, and the instance is ready."""
+        for nid in self.ids:
+            r = _get(self.api(nid) + "/health", 2.0)
+            if r is None or r.status_code != 200:
+                return False
+        s = self.state()
+        alive = sum(n.get("alive", False) for n in s.get("nodes", []))
+        ready = [
+            i for i in s.get("instances", []) if i.get("model") == self.model and i.get("phase") == "ready"
+        ]
+        return alive == len(self.ids) and bool(ready)
+
+    def wait_healthy(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if self.healthy():
+                return True
+            self.stop.wait(0.5)
+        return False
+
+    def setup(self) -> None:
+        for nid, n in self.cluster.nodes.items():
+            self.apis[nid] = self._read_api(n, 120)
+        first = self.ids[0]
+        deadline = time.monotonic() + 120
+        while sum(n.get("alive", False) for n in self.state(first).get("nodes", [])) < len(self.ids):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every node joined:\n{self.cluster.logs()}")
+            self.stop.wait(0.5)
+        r = httpx.post(self.api(first) + "/instances", json={"model": self.model}, timeout=120)
+        if r.status_code != 201:
+            raise RuntimeError(f"placing {self.model}: {r.status_code} {r.text}")
+        if not self.wait_healthy(600):
+            raise RuntimeError(f"the instance never became ready:\n{self.cluster.logs()}")
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    def _body(self, i: int) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "seed": self.seed,
+        }
+
+    def reference(self) -> None:
+        """The first clean answer to every prompt, before any fault (non-streamed, through the first node)."""
+        import openai
+
+        oai = openai.OpenAI(base_url=self.api(self.ids[0]) + "/v1", api_key="-", max_retries=2, timeout=300)
+        for i in range(len(QUESTIONS)):
+            r = oai.chat.completions.create(**self._body(i))
+            self.expected[i] = r.choices[0].message.content or ""
+
+    def _killed_during(self, node_id: str, start: float) -> bool:
+        now = time.monotonic()
+        return any(start - 0.5 <= t <= now for t in self.kill_times.get(node_id, []))
+
+    def one(self, clients: dict[str, Any], rng: random.Random, start_node: int) -> None:
+        """One logical request: tried on the nodes in turn while they refuse the connection."""
+        import openai
+
+        i = rng.randrange(len(QUESTIONS))
+        stream = rng.random() < 0.5
+        for k in range(len(self.ids)):
+            nid = self.ids[(start_node + k) % len(self.ids)]
+            url = self.api(nid)
+            oai = clients.get(url)
+            if oai is None:
+                oai = clients[url] = openai.OpenAI(
+                    base_url=url + "/v1",
+                    api_key="-",
+                    max_retries=0,
+                    timeout=openai.Timeout(self.deadline_s, connect=3.0),
+                )
+            sent = time.monotonic()
+            try:
+                if stream:
+                    parts: list[str] = []
+                    first: float | None = None
+                    with oai.chat.completions.create(**self._body(i), stream=True) as s:
+                        for chunk in s:
+                            if chunk.choices and chunk.choices[0].delta.content:
+                                first = first or time.monotonic()
+                                parts.append(chunk.choices[0].delta.content)
+                    text = "".join(parts)
+                    if first is not None:
+                        with self.c.lock:
+                            self.c.ttft.append(first - sent)
+                else:
+                    r = oai.chat.completions.create(**self._body(i))
+                    text = r.choices[0].message.content or ""
+            except openai.APIConnectionError as exc:
+                cause = exc.__cause__
+                # The client's transport (httpx or httpx2) failed to connect: never accepted.
+                if type(cause).__name__ in ("ConnectError", "ConnectTimeout"):
+                    self.c.add(unreachable=1)  # never accepted: try the next node
+                    continue
+                if self._killed_during(nid, sent):
+                    self.c.add(cut=1)
+                elif isinstance(exc, openai.APITimeoutError):
+                    self.c.lose(f"{nid} timeout after {time.monotonic() - sent:.1f}s", timed_out=1)
+                else:
+                    self.c.lose(f"{nid} {type(exc).__name__}: {exc!r} {cause!r}")
+                return
+            except openai.APIStatusError as exc:
+                code = exc.status_code
+                self.c.add(refused=int(code in (429, 503)))
+                if code >= 500:
+                    self.c.server_error(f"{nid} HTTP {code}: {str(exc)[:200]}")
+                if code not in (429, 503):
+                    self.c.lose(f"{nid} HTTP {code}: {str(exc)[:200]}")
+                else:
+                    self.stop.wait(0.5)
+                return
+            except Exception as exc:  # an error event or a broken stream mid-answer
+                if self._killed_during(nid, sent):
+                    self.c.add(cut=1)
+                else:
+                    self.c.lose(f"{nid} {type(exc).__name__}: {str(exc)[:200]}")
+                return
+            if text == self.expected[i]:
+                self.c.add(ok=1)
+            else:
+                self.c.lose(
+                    f"{nid} wrong ({'stream' if stream else 'whole'}) q{i}: {text[:80]!r} != "
+                    f"{self.expected[i][:80]!r}",
+                    wrong=1,
+                )
+            return
+        self.stop.wait(0.5)  # every node refused the connection: a moment before the next request
+
+    def worker(self, w: int) -> None:
+        rng = random.Random(self.seed * 1000 + w)
+        clients: dict[str, Any] = {}
+        n = 0
+        while not self.load_over.is_set():
+            try:
+                self.one(clients, rng, (w + n) % len(self.ids))
+            except Exception as exc:  # the bench's own bug: said, counted as lost, never a dead worker
+                self.c.lose(f"client error {type(exc).__name__}: {exc}")
+            n += 1
+        for c in clients.values():
+            c.close()
+
+    # ---- chaos -------------------------------------------------------------------------------------------
+
+    def _disconnect(self, rng: random.Random) -> None:
+        nid = rng.choice(self.ids)
+        url = self.api(nid)
+        body = {**self._body(rng.randrange(len(QUESTIONS))), "stream": True}
+        if rng.random() < 0.5:
+            # Before the first byte: the whole request is sent, the socket closed before any answer.
+            u = urlparse(url)
+            raw = json.dumps(body).encode()
+            req = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
+            ).encode() + raw
+            try:
+                with socket.create_connection((u.hostname, u.port), timeout=2) as s:
+                    s.sendall(req)
+                    time.sleep(rng.uniform(0.0, 0.2))
+            except OSError:
+                return
+        else:
+            # After a few bytes of the answer.
+            try:
+                with httpx.stream(
+                    "POST", url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, connect=2)
+                ) as r:
+                    if r.status_code >= 500:
+                        r.read()
+                        self.c.server_error(f"{nid} disconnect request: {r.status_code} {r.text[:200]}")
+                    got = 0
+                    for b in r.iter_bytes():
+                        got += len(b)
+                        if got >= rng.randint(1, 200):
+                            break
+            except httpx.HTTPError:
+                return
+        self.c.add(disconnects=1)
+
+    def disconnector(self) -> None:
+        rng = random.Random(self.seed + 7)
+        while not self.load_over.wait(rng.uniform(1.0, 4.0)):
+            self._disconnect(rng)
+
+    def _pause(self, pid: int, seconds: float) -> None:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        try:
+            self.stop.wait(seconds)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def fault(self, rng: random.Random) -> None:
+        kind = rng.choice(["node_kill", "node_stop", "runner_stop"])
+        nid = rng.choice(self.ids)
+        n = self.cluster.nodes[nid]
+        at = time.monotonic()
+        entry: dict[str, Any] = {"kind": kind, "node": nid}
+        if kind == "runner_stop":
+            pids = n.runner_pids()
+            if not pids:
+                kind = entry["kind"] = "node_stop"
+            else:
+                pause = rng.uniform(0.5, 2.0)
+                entry["pause_s"] = round(pause, 2)
+                self.c.add(stops=1)
+                self._pause(rng.choice(pids), pause)
+        if kind == "node_stop":
+            pause = rng.uniform(0.5, 2.5)
+            entry["pause_s"] = round(pause, 2)
+            self.c.add(stops=1)
+            self._pause(n.pid, pause)
+        elif kind == "node_kill":
+            self.kill_times[nid].append(time.monotonic())
+            self.c.add(kills=1)
+            n.kill(signal.SIGKILL)
+            self.stop.wait(rng.uniform(1.0, 4.0))
+            if self.stop.is_set():
+                return
+            n.start()
+            self.restarts[nid].append(time.monotonic())
+            url = self._read_api(n, 120)
+            with self.api_lock:
+                self.apis[nid] = url
+        entry["recovered"] = self.wait_healthy(self.recover_s)
+        entry["at_s"] = round(at - self.t0, 1)
+        entry["recovery_s"] = round(time.monotonic() - at, 1)
+        self.fault_log.append(entry)
+        print(f"soak: {entry}", file=sys.stderr)
+
+    def chaos(self) -> None:
+        rng = random.Random(self.seed)
+        # Gaps of 0.75-1.5x the interval: the controller's restart budget (3 in 120 s by default) holds
+        # for faults a minute apart, and one fault may cost two restarts (a node stop: a leave and a rejoin).
+        lo, hi = 0.75 * self.fault_interval_s, 1.5 * self.fault_interval_s
+        end = self.t0 + self.seconds - 5.0  # no new fault in the last seconds: every fault gets its recovery
+        while not self.load_over.wait(rng.uniform(lo, hi)):
+            if time.monotonic() >= end:
+                return
+            try:
+                self.fault(rng)
+            except Exception as exc:  # a fault that could not be done is reported, not fatal
+                self.fault_log.append({"kind": "error", "error": repr(exc)[:300]})
+
+    # ---- sampling ----------------------------------------------------------------------------------------
+
+    def _our_runners(self) -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                runner = (
+                    "shardline.runner" in cmd or "shardline runner" in cmd
+                )  # not a node's --runner-settings
+                if runner and p.environ().get(MARKER) == self.run_id:
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+    def _check_orphans(self) -> None:
+        """A runner of this run whose parent is no live node of the cluster, for longer than the grace."""
+        nodes = {n.proc.pid for n in self.cluster.nodes.values() if n.proc and n.proc.poll() is None}
+        now = time.monotonic()
+        for p in self._our_runners():
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE or p.ppid() in nodes:
+                    continue
+                # Its node is gone: it has the grace to notice and exit.
+                if now - self.orphaned_since.setdefault(p.pid, now) > ORPHAN_GRACE_S:
+                    self.orphans.setdefault(p.pid, "its node gone, during the run")
+            except psutil.Error:
+                pass
+
+    def sampler(self) -> None:
+        k = 0
+        while not self.stop.is_set():
+            for nid in self.ids:
+                r = _get(self.api(nid) + "/health", 1.0)
+                if r is not None and r.status_code == 200:
+                    h = r.json()
+                    if h.get("master") is not None:
+                        self.masters[int(h.get("term", 0))].add(h["master"])
+            if k % 3 == 0:
+                now = time.monotonic()
+                for nid, n in self.cluster.nodes.items():
+                    if n.proc is None or n.proc.poll() is not None:
+                        continue
+                    try:
+                        root = psutil.Process(n.proc.pid)
+                        rss = root.memory_info().rss + sum(
+                            c.memory_info().rss for c in root.children(recursive=True)
+                        )
+                    except psutil.Error:
+                        continue
+                    self.rss[nid].append((now, rss))
+                self._check_orphans()
+            k += 1
+            self.stop.wait(1.0)
+
+    def rss_ratio(self, nid: str, t_start: float, t_end: float) -> float | None:
+        span = t_end - t_start
+        exclude = min(RESTART_EXCLUDE_S, span / 5)
+        restarts = self.restarts.get(nid, [])
+        samples = [
+            (t, v)
+            for t, v in self.rss[nid]
+            if t_start <= t <= t_end and not any(0 <= t - r < exclude for r in restarts)
+        ]
+        first = [v for t, v in samples if t <= t_start + span / 5]
+        last = [v for t, v in samples if t >= t_end - span / 5]
+        if not first or not last:
+            return None
+        return round(statistics.mean(last) / statistics.mean(first), 3)
+
+    # ---- after the load ----------------------------------------------------------------------------------
+
+    def pending(self) -> int | None:
+        """Slots still held once idle: /health's `pending`, else /metrics' shardline_requests_pending."""
+        total = 0
+        for nid in self.ids:
+            h = _get(self.api(nid) + "/health", 3.0)
+            if h is not None and h.status_code == 200 and "pending" in h.json():
+                total += int(h.json()["pending"])
+                continue
+            m = _get(self.api(nid) + "/metrics", 3.0)
+            values = (
+                re.findall(r"^shardline_requests_pending(?:\{[^}]*\})?\s+([0-9.eE+-]+)", m.text, re.M)
+                if m is not None and m.status_code == 200
+                else []
+            )
+            if not values:
+                return None
+            total += int(sum(float(v) for v in values))
+        return total
+
+    def run(self) -> dict[str, Any]:
+        self.t0 = time.monotonic()
+        threads = [
+            threading.Thread(target=self.worker, args=(w,), daemon=True) for w in range(self.concurrency)
+        ]
+        threads += [
+            threading.Thread(target=self.chaos, daemon=True),
+            threading.Thread(target=self.disconnector, daemon=True),
+        ]
+        sampler = threading.Thread(target=self.sampler, daemon=True)
+        sampler.start()
+        for t in threads:
+            t.start()
+        try:
+            self.stop.wait(self.seconds)
+            t_end = time.monotonic()
+            self.load_over.set()
+            # Every request still out ends by its deadline; a fault in progress ends with its recovery.
+            join_by = time.monotonic() + self.deadline_s + self.recover_s + 30
+            for t in threads:
+                t.join(max(0.1, join_by - time.monotonic()))
+            self.wait_healthy(self.recover_s)
+            leaked = None
+            idle_by = time.monotonic() + 20
+            while time.monotonic() < idle_by:
+                leaked = self.pending()
+                if not leaked:
+                    break
+                self.stop.wait(1.0)
+            self._check_orphans()
+        finally:
+            self.stop.set()
+            self.load_over.set()
+            sampler.join(5)
+        c = self.c
+        ratios = {nid: self.rss_ratio(nid, self.t0, t_end) for nid in self.ids}
+        return {
+            "minutes": round(self.seconds / 60, 3),
+            "nodes": len(self.ids),
+            "model": self.model,
+            "concurrency": self.concurrency,
+            "fault_interval_s": round(self.fault_interval_s, 1),
+            "seed": self.seed,
+            "requests_ok": c.ok,
+            "requests_lost": c.lost,
+            "wrong_answers": c.wrong,
+            "timed_out": c.timed_out,
+            "refused": c.refused,
+            "unreachable": c.unreachable,
+            "cut_by_node_kill": c.cut,
+            "http_5xx": c.http_5xx,
+            "leaked_slots": leaked,
+            "rss_growth_ratio": ratios,
+            "orphan_processes": len(self.orphans),
+            "masters_per_term_max": max((len(v) for v in self.masters.values()), default=None),
+            "terms_seen": sorted(self.masters),
+            "ttft_p50_s": _pct(c.ttft, 0.5),
+            "ttft_p99_s": _pct(c.ttft, 0.99),
+            "kills": c.kills,
+            "stops": c.stops,
+            "disconnects": c.disconnects,
+            "faults": self.fault_log,
+            "instances_final": [
+                {k: i.get(k) for k in ("instance", "phase", "generation", "recoveries")}
+                for i in self.state().get("instances", [])
+            ],
+            "lost_examples": c.lost_examples,
+            "http_5xx_examples": c.http_5xx_examples,
+            "machine": _cpu(),
+        }
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _targets(r: dict[str, Any]) -> dict[str, bool | None]:
+    rss = [v for v in (r["rss_growth_ratio"] or {}).values() if v is not None]
+    return {
+        "requests_lost": r["requests_lost"] == 0,
+        "http_5xx": r["http_5xx"] == 0,
+        "leaked_slots": None if r["leaked_slots"] is None else r["leaked_slots"] == 0,
+        "orphan_processes": r["orphan_processes"] == 0,
+        "masters_per_term_max": r["masters_per_term_max"] == 1,
+        "rss_growth_ratio": all(v <= 1.05 for v in rss) if rss else None,
+    }
+
+
+def run(
+    minutes: float = 10.0,
+    nodes: int = 3,
+    json_path: Path | None = None,
+    model: str | None = None,
+    concurrency: int | None = None,
+    seed: int = 0,
+    max_tokens: int | None = None,
+    fault_interval_s: float | None = None,
+) -> dict[str, Any]:
+    """The soak; `model` is None (the default model), "tiny" (a tiny random model, for smoke runs) or a path
+    or name `resolve_model` knows."""
+    from shardline.models.registry import resolve_model
+
+    if minutes <= 0 or nodes < 2:
+        raise ValueError("--minutes must be > 0 and --nodes >= 2")
+    root = Path(tempfile.mkdtemp(prefix="shardline-bench-soak-"))
+    tiny = model == "tiny"
+    if tiny:
+        model_dir = tiny_chat_model(root / "models" / "soak-tiny", seed)
+    else:
+        model_dir = resolve_model(model, progress=False)
+    run_id = uuid.uuid4().hex
+    old = os.environ.get(MARKER)
+    os.environ[MARKER] = run_id  # inherited by every node and runner this run starts
+    ids = [f"n{i}" for i in range(nodes)]
+    cluster = LocalCluster(
+        root / "cluster",
+        ids,
+        model_dir.parent,
+        extra=["--prefill-step", "8" if tiny else "64"],
+        runners=dict(FAST_RUNNERS if tiny else MODEL_RUNNERS),
+        api=True,
+    )
+    soak = Soak(
+        cluster,
+        model_dir.name,
+        seconds=minutes * 60,
+        concurrency=concurrency or 2 * nodes,
+        seed=seed,
+        max_tokens=max_tokens or (16 if tiny else 32),
+        deadline_s=60.0 if tiny else 180.0,
+        recover_s=60.0 if tiny else 180.0,
+        fault_interval_s=fault_interval_s or min(FAULT_INTERVAL_S, max(3.0, minutes * 60 / 6)),
+    )
+    soak.run_id = run_id
+    result: dict[str, Any] | None = None
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends the run like Ctrl-C: the cluster is shut down and every process it started is gone.
+        restore = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cluster.start()
+        soak.setup()
+        soak.reference()
+        print(
+            f"soak: {nodes} nodes ready, {len(QUESTIONS)} reference answers taken; load for {minutes:g} min",
+            file=sys.stderr,
+        )
+        result = soak.run()
+    finally:
+        soak.stop.set()
+        soak.load_over.set()
+        cluster.close()
+        # Runners still alive after the cluster shut down (a grace for kills in flight), then cleaned up.
+        deadline = time.monotonic() + ORPHAN_GRACE_S
+        left = soak._our_runners()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in left:
+            soak.orphans.setdefault(p.pid, "alive after the cluster shut down")
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)
+        if old is None:
+            os.environ.pop(MARKER, None)
+        else:
+            os.environ[MARKER] = old
+        shutil.rmtree(root, ignore_errors=True)
+    assert result is not None
+    result["orphan_processes"] = len(soak.orphans)
+    result["orphans"] = [f"{pid}: {why}" for pid, why in soak.orphans.items()]
+    result["targets_met"] = _targets(result)
+    summary = (
+        f"\nbench soak: {result['minutes']:g} min, {nodes} nodes, {result['machine']}\n"
+        f"  ok {result['requests_ok']}  lost {result['requests_lost']} (wrong {result['wrong_answers']}, "
+        f"timed out {result['timed_out']})  refused {result['refused']}  "
+        f"unreachable {result['unreachable']}  cut by node kill {result['cut_by_node_kill']}  "
+        f"5xx {result['http_5xx']}\n"
+        f"  faults: {result['kills']} kills, {result['stops']} stops, {result['disconnects']} disconnects; "
+        f"ttft p50/p99 {result['ttft_p50_s']}/{result['ttft_p99_s']} s\n"
+        f"  leaked_slots {result['leaked_slots']}  orphans {result['orphan_processes']}  masters/term max "
+        f"{result['masters_per_term_max']}  rss growth {result['rss_growth_ratio']}\n"
+        f"  targets met: {result['targets_met']}"
+    )
+    print(json.dumps(result, indent=1))
+    print(summary, file=sys.stderr)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1))
+    return result

@@ -104,7 +104,7 @@ class Node:
         self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
         self.lock = threading.RLock()  # the state; never held while sending
         self.changed = threading.Condition(self.lock)
-        self._events: queue.Queue[cs.Event] = queue.Queue()
+        self._events: queue.Queue[cs.Event | cs.Ballot] = queue.Queue()
         self._closed = threading.Event()
         self._leaving = False
         self._models: dict[str, cm.LocalModel] = {}
@@ -135,9 +135,11 @@ class Node:
         self.weights = WeightServer(s, self.config.namespace, self.node_id, self.models_root)
         self._report_pub = s.declare_publisher(self.keys.report(self.node_id))
         self._view_pub = s.declare_publisher(self.keys.view)
+        self._ballot_pub = s.declare_publisher(self.keys.ballot)
         self._subs = [
             s.declare_subscriber(self.keys.report_any, self._on_report),
             s.declare_subscriber(self.keys.view, self._on_report),
+            s.declare_subscriber(self.keys.ballot, self._on_ballot),
             s.liveliness().declare_subscriber(self.keys.alive_any, self._on_alive, history=True),
         ]
         self._token = s.liveliness().declare_token(self.keys.alive(self.node_id))
@@ -219,6 +221,14 @@ class Node:
         else:
             self._events.put(cs.ViewIn(msg))
 
+    def _on_ballot(self, sample: zenoh.Sample) -> None:
+        try:
+            msg, _ = decode(bytes(sample.payload.to_bytes()), cm.BALLOTS)
+        except Exception as exc:
+            log.warning("dropped a bad ballot: %s", str(exc)[:200])
+            return
+        self._events.put(cs.ClaimIn(msg) if isinstance(msg, cm.Claim) else cs.VoteIn(msg))
+
     def _obey(self, term: int) -> bool:
         with self.lock:
             return term >= self.state.term
@@ -241,19 +251,34 @@ class Node:
             except Exception:  # the node must outlive any one bad step
                 log.exception("node step failed")
 
-    def _step(self, events: list[cs.Event]) -> None:
+    def _step(self, events: list[cs.Event | cs.Ballot]) -> None:
         from shardline.cluster.master import Master
 
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
+        ballots: list[cm.Claim | cm.Vote] = []
+        term: int | None = None
         with self.lock:
             happened = []
-            for e in [*events, cs.Tick(time.monotonic())]:
-                happened += cs.apply(self.state, e, now)
-            settled = time.monotonic() - self.started_mono >= self.config.settle_s
-            term = cs.claim(self.state, settled)
+            for e in [*events, cs.Tick(mono)]:
+                if isinstance(e, cs.ClaimIn):
+                    if (vote := cs.grant(self.state, e.claim)) is not None:
+                        ballots.append(vote)
+                elif isinstance(e, cs.VoteIn):
+                    term = cs.count(self.state, e.vote) or term
+                else:
+                    happened += cs.apply(self.state, e, now)
+            if (vote := cs.reconsider(self.state)) is not None:
+                ballots.append(vote)
+            settled = mono - self.started_mono >= self.config.settle_s
+            if (claim := cs.campaign(self.state, settled, mono, self._patience())) is not None:
+                log.info("node %s asks for votes for term %d", self.node_id, claim.term)
+                ballots.append(claim)
+                term = cs.count(self.state) or term  # a quorum of one: a lone node, or half with the lowest id
             deposed = self.master is not None and not self.state.is_master
             view = self.state.view
             self.changed.notify_all()
+        for b in ballots:
+            self._ballot_pub.put(encode(b))
         for e in happened:
             log.info("%s %s", e.kind, e.node)
         if deposed:
@@ -264,13 +289,17 @@ class Node:
             say = log.info if term == 1 else log.warning  # a change of master is news; the first is not
             say("node %s becomes master with term %d", self.node_id, term)
             with self.lock:
-                self.state.term, self.state.master = term, self.node_id
                 self.state.events.append(cm.ClusterEvent(at=now, kind="master", node=self.node_id))
             self.master = Master(self)
         if self.master is not None:
             self.master.tick(happened)
         if view is not None and self.agent is not None and any(isinstance(e, cs.ViewIn) for e in events):
             self._fence(view)
+
+    def _patience(self) -> float:
+        """How long a campaign waits for votes: a few report periods (voters judge the old master dead on
+        their own lease, so a refusal now may be a vote at the next try)."""
+        return max(1.0, 2 * self.config.report_s)
 
     def _fence(self, view: cm.ClusterView) -> None:
         """Kill runners of generations the newest view no longer lists (a master's StopGeneration may have

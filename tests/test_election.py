@@ -173,9 +173,9 @@ def test_a_voter_that_moves_between_sides_votes_once_per_term() -> None:
         net.step(i)  # their leases see it gone too
     net.step(1)
     claims = [p for p in net.pending if isinstance(p[2], cm.Claim)]
-    for src, dst, msg in claims:
-        if dst in (2, 3):
-            assert isinstance(msg, cm.Claim) and cs.grant(net.states[dst], msg) is not None  # votes not yet home
+    for _, dst, msg in claims:
+        if dst in (2, 3):  # they vote; the votes never arrive
+            assert isinstance(msg, cm.Claim) and cs.grant(net.states[dst], msg) is not None
     net.pending.clear()
     net.group = [9, 0, 1, 1, 1]  # n2 and n3 move to n4's side before their votes arrive
     settle(net)

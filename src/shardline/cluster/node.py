@@ -273,7 +273,7 @@ class Node:
             if (claim := cs.campaign(self.state, settled, mono, self._patience())) is not None:
                 log.info("node %s asks for votes for term %d", self.node_id, claim.term)
                 ballots.append(claim)
-                term = cs.count(self.state) or term  # a quorum of one: a lone node, or half with the lowest id
+                term = cs.count(self.state) or term  # a quorum alone: one node, or half with the lowest id
             deposed = self.master is not None and not self.state.is_master
             view = self.state.view
             self.changed.notify_all()

@@ -197,8 +197,10 @@ def grant(state: ClusterState, claim: cm.Claim) -> cm.Vote | None:
     """This node's vote for a claim, at most one per term; None to refuse."""
     if claim.candidate == state.me or claim.term <= state.term:
         return None
-    if claim.term < state.voted_term or (claim.term == state.voted_term and state.voted_for != claim.candidate):
-        return None  # voted in this term (or a later one) already
+    if claim.term < state.voted_term:
+        return None  # voted in a later term already
+    if claim.term == state.voted_term and state.voted_for != claim.candidate:
+        return None  # one vote per term
     sitting = state.master
     if sitting is not None and sitting != claim.candidate and sitting in state.alive | {state.me}:
         # A master this node still sees is not deposed behind its back; if it is gone once this node's own

@@ -38,3 +38,26 @@ def test_repeated_and_older_start_runner_are_refused_and_nothing_is_orphaned(tin
     prompt = random_prompt(12, seed=4)
     ref = Reference(tiny_models["llama"])
     assert engine.submit(prompt, max_tokens=6).tokens(timeout=60) == ref.greedy(prompt, 6)[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_full_inbox_drops_and_counts_instead_of_stalling_the_sender():
+    from shardline.dataplane.transport import DeadlineExceeded, Inbox, open_session
+
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    try:
+        inbox = Inbox(session, name="slow reader", capacity=3)
+        inbox.subscribe("test/inbox", m.AGENT, "x")
+        out = Outbox(session, "test/inbox")
+        out.wait_matched(5.0)
+        stops = [m.StopGeneration(instance=f"i{n}", keep=-1) for n in range(10)]
+        for stop in stops:
+            out.send(stop)  # nobody reads: without a bound this queue grows, and a blocking one stalls here
+        wait_for(lambda: inbox.dropped == 7, 10, "7 messages dropped")
+        assert [inbox.get(timeout=1).message.instance for _ in range(3)] == ["i0", "i1", "i2"]
+        with pytest.raises(DeadlineExceeded):
+            inbox.get(timeout=0.2)
+        out.close()
+        inbox.close()
+    finally:
+        session.close()

@@ -38,6 +38,7 @@ from shardline.node.agent import NodeAgent
 
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
+EVENTS_CAPACITY = 10_000
 
 
 class RunnerSettings(RunSettings):
@@ -104,7 +105,9 @@ class Node:
         self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
         self.lock = threading.RLock()  # the state; never held while sending
         self.changed = threading.Condition(self.lock)
-        self._events: queue.Queue[cs.Event | cs.Ballot] = queue.Queue()
+        # Bounded: a loop that fell behind drops (and counts) rather than stalling zenoh's receive threads.
+        self._events: queue.Queue[cs.Event | cs.Ballot] = queue.Queue(maxsize=EVENTS_CAPACITY)
+        self.dropped_events = 0
         self._closed = threading.Event()
         self._leaving = False
         self._models: dict[str, cm.LocalModel] = {}
@@ -143,7 +146,7 @@ class Node:
             s.liveliness().declare_subscriber(self.keys.alive_any, self._on_alive, history=True),
         ]
         self._token = s.liveliness().declare_token(self.keys.alive(self.node_id))
-        self._events.put(cs.Alive(self.node_id))
+        self._enqueue(cs.Alive(self.node_id))
         for target, name in ((self._loop, "node-loop"), (self._reporter, "node-report")):
             t = threading.Thread(target=target, daemon=True, name=name)
             t.start()
@@ -208,7 +211,7 @@ class Node:
     def _on_alive(self, sample: zenoh.Sample) -> None:
         node = node_from_key(str(sample.key_expr))
         gone = sample.kind == zenoh.SampleKind.DELETE
-        self._events.put(cs.Gone(node) if gone else cs.Alive(node))
+        self._enqueue(cs.Gone(node) if gone else cs.Alive(node))
 
     def _on_report(self, sample: zenoh.Sample) -> None:
         try:
@@ -217,9 +220,9 @@ class Node:
             log.warning("dropped a bad report on %s: %s", sample.key_expr, str(exc)[:200])
             return
         if isinstance(msg, cm.NodeReport):
-            self._events.put(cs.ReportIn(msg, time.monotonic()))
+            self._enqueue(cs.ReportIn(msg, time.monotonic()))
         else:
-            self._events.put(cs.ViewIn(msg))
+            self._enqueue(cs.ViewIn(msg))
 
     def _on_ballot(self, sample: zenoh.Sample) -> None:
         try:
@@ -227,7 +230,17 @@ class Node:
         except Exception as exc:
             log.warning("dropped a bad ballot: %s", str(exc)[:200])
             return
-        self._events.put(cs.ClaimIn(msg) if isinstance(msg, cm.Claim) else cs.VoteIn(msg))
+        self._enqueue(cs.ClaimIn(msg) if isinstance(msg, cm.Claim) else cs.VoteIn(msg))
+
+    def _enqueue(self, event: cs.Event | cs.Ballot) -> None:
+        try:
+            self._events.put_nowait(event)
+        except queue.Full:
+            self.dropped_events += (
+                1  # reports and views repeat on a period; liveliness has the lease behind it
+            )
+            if self.dropped_events in (1, 10, 100) or self.dropped_events % 1000 == 0:
+                log.warning("node loop behind: %d events dropped", self.dropped_events)
 
     def _obey(self, term: int) -> bool:
         with self.lock:
@@ -312,7 +325,7 @@ class Node:
 
     def publish_view(self, view: cm.ClusterView) -> None:
         self._view_pub.put(encode(view))
-        self._events.put(cs.ViewIn(view))
+        self._enqueue(cs.ViewIn(view))
 
     # ---- reports -------------------------------------------------------------------------------------------
 
@@ -378,7 +391,7 @@ class Node:
             try:
                 r = self.report()
                 self._report_pub.put(encode(r))
-                self._events.put(cs.ReportIn(r, time.monotonic()))
+                self._enqueue(cs.ReportIn(r, time.monotonic()))
             except Exception:
                 log.exception("report failed")
 

@@ -108,6 +108,12 @@ def generation_term(generation: int) -> int:
     return generation >> GENERATION_BITS if generation > 0 else 0
 
 
+def generation_label(generation: int) -> str:
+    """How people read an id: "term.count" ("3.0" is term 3's first generation); a lone engine's as is."""
+    term = generation_term(generation)
+    return f"{term}.{generation - (term << GENERATION_BITS)}" if term else str(generation)
+
+
 def new_generation(state: InstanceState, now: float, stages: int | None = None, term: int = 0) -> None:
     """A new generation of `stages` stages (a re-placement may change their number)."""
     if stages is not None and stages != state.stages:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardline.cluster import election
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.election import elect, newer
@@ -53,24 +54,62 @@ def test_membership_needs_both_token_and_reports_gone():
 
 
 @pytest.mark.timeout(10)
-def test_only_the_node_the_rule_names_claims_and_only_once_settled():
+def test_only_the_node_the_rule_names_campaigns_and_wins_with_a_quorum():
     a, b = cs.ClusterState(me="a"), cs.ClusterState(me="b")
     for s in (a, b):
         cs.apply(s, cs.Alive("a"), 0)
         cs.apply(s, cs.Alive("b"), 0)
-    assert cs.claim(a, settled=False) is None
-    assert cs.claim(a, settled=True) == 1 and cs.claim(b, settled=True) is None
-    view = cm.ClusterView(term=1, master="a")
+    assert cs.campaign(a, settled=False, now=0, patience=1) is None
+    claim = cs.campaign(a, settled=True, now=0, patience=1)
+    assert claim is not None and claim.term == 1 and claim.members == ["a", "b"]
+    assert cs.campaign(b, settled=True, now=0, patience=1) is None
+    # Exactly half of {a, b} holding the lowest id is a quorum: a wins on its own vote.
+    assert cs.count(a) == 1 and a.is_master
+    vote = cs.grant(b, claim)
+    assert vote is not None
+    assert cs.grant(b, claim.model_copy(update={"candidate": "c"})) is None  # once a term
+    view = cm.ClusterView(term=1, master="a", nodes=[member("a"), member("b"), member("c")])
     for s in (a, b):
         cs.apply(s, cs.ViewIn(view), 0)
-    assert a.is_master and cs.claim(b, settled=True) is None
+    assert cs.campaign(b, settled=True, now=0, patience=1) is None
     # A stale view of a lower term changes nothing.
     cs.apply(b, cs.ViewIn(cm.ClusterView(term=0, master="z")), 0)
     assert b.master == "a" and b.term == 1
-    # The master leaves: the next lowest claims with the next term.
+    # The master leaves: alone, b holds no quorum of {a, b, c}; with c it campaigns for the next term.
     cs.apply(b, cs.Gone("a"), 0)
     cs.apply(b, cs.Tick(1e9), 0)
-    assert cs.claim(b, settled=True) == 2
+    assert cs.campaign(b, settled=True, now=0, patience=1) is None
+    cs.apply(b, cs.Alive("c"), 0)
+    again = cs.campaign(b, settled=True, now=0, patience=1)
+    assert again is not None and again.term == 2 and cs.count(b) is None
+    assert cs.count(b, cm.Vote(term=2, candidate="b", voter="c")) == 2 and b.is_master
+
+
+def member(node: str, alive: bool = True) -> cm.NodeSummary:
+    return cm.NodeSummary(node_id=node, name=node, endpoint="", alive=alive)
+
+
+@pytest.mark.timeout(10)
+def test_exactly_half_elects_only_with_the_lowest_id():
+    members = {"a", "b", "c", "d"}
+    assert election.quorum({"a", "b"}, members) and not election.quorum({"c", "d"}, members)
+    assert election.quorum({"b", "c", "d"}, members) and not election.quorum({"b"}, {"a", "b"})
+    assert not election.quorum({"x", "y", "z"}, members)  # votes of non-members count for nothing
+
+
+@pytest.mark.timeout(10)
+def test_a_node_does_not_vote_against_a_master_it_sees():
+    c = cs.ClusterState(me="c")
+    for n in ("a", "b", "c"):
+        cs.apply(c, cs.Alive(n), 0)
+    cs.apply(c, cs.ViewIn(cm.ClusterView(term=3, master="a")), 0)
+    claim = cm.Claim(term=4, candidate="b", members=["a", "b", "c"])
+    assert cs.grant(c, claim) is None and cs.reconsider(c) is None  # a is still seen
+    cs.apply(c, cs.Gone("a"), 0)
+    cs.apply(c, cs.Tick(1e9), 0)
+    assert cs.reconsider(c) == cm.Vote(term=4, candidate="b", voter="c")  # once a is gone: no new ask
+    assert cs.reconsider(c) is None
+    assert cs.grant(c, cm.Claim(term=3, candidate="b", members=[])) is None  # not above the view's term
 
 
 @pytest.mark.timeout(10)

@@ -463,3 +463,65 @@ def test_link_down_mid_generation_replaces_and_completes_then_the_node_rejoins_w
     assert again["tokens"] == expected[:30]
     last = client.events[client.view(lambda v: True, 5, "a fresh view", len(client.events))]
     assert [r["generation"] for r in last["instances"]] == [rec["generation"]], last
+
+
+def masters_by_term(*clients: Client) -> dict[int, set[str]]:
+    seen: dict[int, set[str]] = {}
+    for c in clients:
+        for ev in list(c.events):
+            if ev["ev"] == "view":
+                seen.setdefault(ev["term"], set()).add(ev["master"])
+    return seen
+
+
+def fresh_views(client: Client, count: int, what: str) -> list[dict[str, Any]]:
+    """The next `count` views the client sees (views come on the master's period: the clock of a wait for
+    something that must not happen)."""
+    at, out = len(client.events), []
+    for _ in range(count):
+        at = client.view(lambda v: True, 10, what, at) + 1
+        out.append(client.events[at - 1])
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_even_split_elects_on_one_side_only_and_a_minority_master_steps_down_once_healed(make_lab):
+    lab = make_lab("slcs", 6)
+    ids = ("n1", "n2", "n3", "n4")
+    for i, node_id in enumerate(ids):
+        lab.node(i, node_id)
+    left, right = lab.client(4, via=["n1", "n2"]), lab.client(5, via=["n3", "n4"])
+    for c in (left, right):
+        c.view(lambda v: alive(v) == set(ids) and v["master"] == "n1", 60, "n1-n4 alive, n1 master")
+    term = left.events[-1]["term"] if left.events[-1]["ev"] == "view" else 1
+
+    # 2|2: only the half with the lowest id (n1) may hold the master; n3 and n4 see exactly half of the
+    # members without n1 and must not elect one of their own.
+    lab.net.split([[0, 1, 4], [2, 3, 5]])
+    left.view(lambda v: alive(v) == {"n1", "n2"}, 30, "n3 and n4 not alive on n1's side", len(left.events))
+    for view in fresh_views(left, 6, "views on n1's side"):
+        assert view["master"] == "n1" and view["term"] == term, view
+    for node_id in ("n3", "n4"):
+        assert "becomes master" not in lab.nodes[node_id].tail(lines=0), lab.nodes[node_id].tail()
+    assert all(v["master"] == "n1" for v in right.events if v["ev"] == "view"), "a master on n3's side"
+
+    # Healed: one cluster, n1 still master, the same term.
+    lab.net.heal()
+    for c in (left, right):
+        c.view(lambda v: alive(v) == set(ids) and v["master"] == "n1", 60, "healed: n1 master", len(c.events))
+
+    # 1|3: the three elect n2 with a new term; n1, cut off alone, keeps its old term until it hears of it.
+    lab.net.split([[0, 4], [1, 2, 3, 5]])
+    right.view(lambda v: v["master"] == "n2" and v["term"] > term, 30, "n2 master of a new term", 0)
+    lab.net.heal()
+    for c in (left, right):
+        c.view(lambda v: alive(v) == set(ids) and v["master"] == "n2", 60, "healed: n2 master", len(c.events))
+    fresh_views(left, 3, "views after healing")
+    seen = masters_by_term(left, right)
+    assert all(len(m) == 1 for m in seen.values()), f"two masters in one term: {seen}"
+    elected = [
+        line for n in ids for line in lab.nodes[n].tail(lines=0).splitlines() if "becomes master" in line
+    ]
+    terms = [line.rsplit(" ", 1)[-1] for line in elected]
+    assert len(terms) == len(set(terms)), elected  # one winner per term, across every node's log
+    print(f"\nmasters by term: {dict(sorted((t, sorted(m)) for t, m in seen.items()))}")

@@ -161,7 +161,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     if args.nodes < 2:
         raise CliError(f"--nodes must be at least 2, got {args.nodes}")
     if args.concurrency is not None:
-        _positive(args.concurrency, "--concurrency")
+        positive(args.concurrency, "--concurrency")
     model = None if args.model in (None, "default") else args.model
     if args.fault_interval is not None and not args.fault_interval > 0:
         raise CliError("--fault-interval must be > 0")

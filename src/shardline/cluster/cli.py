@@ -116,6 +116,7 @@ def api_settings(args: argparse.Namespace) -> Any:
 def cmd_place(args: argparse.Namespace) -> int:
     from shardline.cluster.client import ClusterClient
     from shardline.cluster.placement import PlacementRequest
+    from shardline.controller.state import generation_label
 
     request = PlacementRequest(sequences=args.sequences, reserve_tokens=args.reserve_tokens)
     with ClusterClient([args.cluster], args.namespace, _secret_file(args)) as client:
@@ -128,7 +129,7 @@ def cmd_place(args: argparse.Namespace) -> int:
             )
         if not args.dry_run and reply.instance is not None:
             rec = client.wait_ready(reply.instance.instance, args.timeout)
-            print(f"instance {rec.instance} ready (generation {rec.generation})")
+            print(f"instance {rec.instance} ready (generation {generation_label(rec.generation)})")
     return 0
 
 

@@ -31,6 +31,10 @@ class ClusterKeys:
         return f"{self.namespace}/master/view"  # the master's cluster view, with its term
 
     @property
+    def ballot(self) -> str:
+        return f"{self.namespace}/master/ballot"  # claims and votes of elections
+
+    @property
     def query(self) -> str:
         return f"{self.namespace}/master/query"  # place, preview, remove: answered by the master
 

@@ -127,6 +127,29 @@ ReportMessage = Annotated[NodeReport | ClusterView, Field(discriminator="kind")]
 REPORTS = TypeAdapter(ReportMessage)
 
 
+# ---- node -> everyone: elections (cluster/election.py) --------------------------------------------------
+
+
+class Claim(Wire):
+    """A candidate asks for votes for `term`; `members` is the membership whose quorum it needs."""
+
+    kind: Literal["claim"] = "claim"
+    term: int
+    candidate: str
+    members: list[str]
+
+
+class Vote(Wire):
+    kind: Literal["vote"] = "vote"
+    term: int
+    candidate: str
+    voter: str
+
+
+BallotMessage = Annotated[Claim | Vote, Field(discriminator="kind")]
+BALLOTS = TypeAdapter(BallotMessage)
+
+
 # ---- client -> master: queries, answered by whichever node is master ---------------------------------------
 
 

@@ -43,6 +43,7 @@ from shardline.node.agent import NodeAgent
 
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
+EVENTS_CAPACITY = 10_000
 
 
 class ClusterInstanceSettings(InstanceSettings):
@@ -109,7 +110,9 @@ class Node:
         self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
         self.lock = threading.RLock()  # the state; never held while sending
         self.changed = threading.Condition(self.lock)
-        self._events: queue.Queue[cs.Event | Posted] = queue.Queue()  # the loop's: cluster and master
+        # Bounded: a loop that fell behind drops (and counts) rather than stalling zenoh's receive threads.
+        self._events: queue.Queue[cs.Event | cs.Ballot | Posted] = queue.Queue(maxsize=EVENTS_CAPACITY)
+        self.dropped_events = 0
         self._closed = threading.Event()
         self._leaving = False
         self._models: dict[str, cm.LocalModel] = {}
@@ -140,13 +143,15 @@ class Node:
         self.weights = WeightServer(s, self.config.namespace, self.node_id, self.models_root)
         self._report_pub = s.declare_publisher(self.keys.report(self.node_id))
         self._view_pub = s.declare_publisher(self.keys.view)
+        self._ballot_pub = s.declare_publisher(self.keys.ballot)
         self._subs = [
             s.declare_subscriber(self.keys.report_any, self._on_report),
             s.declare_subscriber(self.keys.view, self._on_report),
+            s.declare_subscriber(self.keys.ballot, self._on_ballot),
             s.liveliness().declare_subscriber(self.keys.alive_any, self._on_alive, history=True),
         ]
         self._token = s.liveliness().declare_token(self.keys.alive(self.node_id))
-        self._events.put(cs.Alive(self.node_id))
+        self._enqueue(cs.Alive(self.node_id))
         for target, name in ((self._loop, "node-loop"), (self._reporter, "node-report")):
             t = threading.Thread(target=target, daemon=True, name=name)
             t.start()
@@ -211,7 +216,7 @@ class Node:
     def _on_alive(self, sample: zenoh.Sample) -> None:
         node = node_from_key(str(sample.key_expr))
         gone = sample.kind == zenoh.SampleKind.DELETE
-        self._events.put(cs.Gone(node) if gone else cs.Alive(node))
+        self._enqueue(cs.Gone(node) if gone else cs.Alive(node))
 
     def _on_report(self, sample: zenoh.Sample) -> None:
         try:
@@ -220,9 +225,27 @@ class Node:
             log.warning("dropped a bad report on %s: %s", sample.key_expr, str(exc)[:200])
             return
         if isinstance(msg, cm.NodeReport):
-            self._events.put(cs.ReportIn(msg, time.monotonic()))
+            self._enqueue(cs.ReportIn(msg, time.monotonic()))
         else:
-            self._events.put(cs.ViewIn(msg))
+            self._enqueue(cs.ViewIn(msg))
+
+    def _on_ballot(self, sample: zenoh.Sample) -> None:
+        try:
+            msg, _ = decode(bytes(sample.payload.to_bytes()), cm.BALLOTS)
+        except Exception as exc:
+            log.warning("dropped a bad ballot: %s", str(exc)[:200])
+            return
+        self._enqueue(cs.ClaimIn(msg) if isinstance(msg, cm.Claim) else cs.VoteIn(msg))
+
+    def _enqueue(self, event: cs.Event | cs.Ballot) -> None:
+        try:
+            self._events.put_nowait(event)
+        except queue.Full:
+            self.dropped_events += (
+                1  # reports and views repeat on a period; liveliness has the lease behind it
+            )
+            if self.dropped_events in (1, 10, 100) or self.dropped_events % 1000 == 0:
+                log.warning("node loop behind: %d events dropped", self.dropped_events)
 
     def _obey(self, term: int) -> bool:
         with self.lock:
@@ -246,18 +269,33 @@ class Node:
             except Exception:  # the node must outlive any one bad step
                 log.exception("node step failed")
 
-    def _step(self, all_events: list[cs.Event | Posted]) -> None:
-        now = time.time()
+    def _step(self, all_events: list[cs.Event | cs.Ballot | Posted]) -> None:
+        now, mono = time.time(), time.monotonic()
         events = [e for e in all_events if not isinstance(e, Posted)]
+        ballots: list[cm.Claim | cm.Vote] = []
+        term: int | None = None
         with self.lock:
             happened = []
-            for e in [*events, cs.Tick(time.monotonic())]:
-                happened += cs.apply(self.state, e, now)
-            settled = time.monotonic() - self.started_mono >= self.config.settle_s
-            term = cs.claim(self.state, settled)
+            for e in [*events, cs.Tick(mono)]:
+                if isinstance(e, cs.ClaimIn):
+                    if (vote := cs.grant(self.state, e.claim)) is not None:
+                        ballots.append(vote)
+                elif isinstance(e, cs.VoteIn):
+                    term = cs.count(self.state, e.vote) or term
+                else:
+                    happened += cs.apply(self.state, e, now)
+            if (vote := cs.reconsider(self.state)) is not None:
+                ballots.append(vote)
+            settled = mono - self.started_mono >= self.config.settle_s
+            if (claim := cs.campaign(self.state, settled, mono, self._patience())) is not None:
+                log.info("node %s asks for votes for term %d", self.node_id, claim.term)
+                ballots.append(claim)
+                term = cs.count(self.state) or term  # a quorum alone: one node, or half with the lowest id
             deposed = self.master is not None and not self.state.is_master
             view = self.state.view
             self.changed.notify_all()
+        for b in ballots:
+            self._ballot_pub.put(encode(b))
         for e in happened:
             log.info("%s %s", e.kind, e.node)
         if deposed and self.master is not None:
@@ -268,7 +306,6 @@ class Node:
             say = log.info if term == 1 else log.warning  # a change of master is news; the first is not
             say("node %s becomes master with term %d", self.node_id, term)
             with self.lock:
-                self.state.term, self.state.master = term, self.node_id
                 self.state.events.append(cm.ClusterEvent(at=now, kind="master", node=self.node_id))
             self.master = self._new_master(term)
         if self.master is not None:
@@ -308,6 +345,11 @@ class Node:
             reuse=r.reuse_survivors,
         )
 
+    def _patience(self) -> float:
+        """How long a campaign waits for votes: a few report periods (voters judge the old master dead on
+        their own lease, so a refusal now may be a vote at the next try)."""
+        return max(1.0, 2 * self.config.report_s)
+
     def _fence(self, view: cm.ClusterView) -> None:
         """Kill runners of generations the newest view no longer lists (a master's StopGeneration may have
         been lost with it)."""
@@ -319,7 +361,7 @@ class Node:
 
     def publish_view(self, view: cm.ClusterView) -> None:
         self._view_pub.put(encode(view))
-        self._events.put(cs.ViewIn(view))
+        self._enqueue(cs.ViewIn(view))
 
     # ---- reports -------------------------------------------------------------------------------------------
 
@@ -385,7 +427,7 @@ class Node:
             try:
                 r = self.report()
                 self._report_pub.put(encode(r))
-                self._events.put(cs.ReportIn(r, time.monotonic()))
+                self._enqueue(cs.ReportIn(r, time.monotonic()))
             except Exception:
                 log.exception("report failed")
 

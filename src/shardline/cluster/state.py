@@ -1,8 +1,9 @@
 """The cluster as one node knows it: a fold over liveliness, node reports and master views.
 
-`apply` folds one event in; the decisions are pure functions of the state: `claim` (should this node become
-master), `node_losses` (instances whose stages sit on nodes that left), `stale_runners` (runners a node must
-kill because the newest view no longer lists their generation), `capacities` (what placement may use).
+`apply` folds one event in; the decisions are pure functions of the state: `campaign`, `grant` and `count`
+(elections, cluster/election.py), `node_losses` (instances whose stages sit on nodes that left),
+`stale_runners` (runners a node must kill because the newest view no longer lists their generation),
+`capacities` (what placement may use).
 Shells (node.py, master.py) turn them into effects.
 """
 
@@ -48,6 +49,27 @@ class ViewIn:
 Event = Alive | Gone | ReportIn | ViewIn | Tick
 
 
+@dataclass(frozen=True)
+class ClaimIn:
+    claim: cm.Claim
+
+
+@dataclass(frozen=True)
+class VoteIn:
+    vote: cm.Vote
+
+
+Ballot = ClaimIn | VoteIn
+
+
+@dataclass
+class Candidacy:
+    term: int
+    members: frozenset[str]
+    since: float  # monotonic
+    votes: set[str] = field(default_factory=set)
+
+
 @dataclass
 class ClusterState:
     me: str
@@ -65,6 +87,11 @@ class ClusterState:
     master: str | None = None
     view: cm.ClusterView | None = None  # the newest accepted
     events: deque[cm.ClusterEvent] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
+    # Elections (cluster/election.py): the newest term this node voted in, and for whom; its own campaign.
+    voted_term: int = 0
+    voted_for: str | None = None
+    candidacy: Candidacy | None = None
+    deferred: cm.Claim | None = None  # refused while the sitting master seemed alive: reconsidered each step
 
     @property
     def is_master(self) -> bool:
@@ -121,26 +148,91 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
             if v.master != state.master:
                 happened.append(cm.ClusterEvent(at=now_wall, kind="master", node=v.master))
             state.term, state.master, state.view = v.term, v.master, v
+            if state.candidacy is not None and state.candidacy.term <= v.term:
+                state.candidacy = None  # someone won this term or a later one
     state.events.extend(happened)
     return happened
 
 
-def claim(state: ClusterState, settled: bool) -> int | None:
-    """The term to claim mastery with, when the rule names this node; None otherwise.
+def members(state: ClusterState) -> frozenset[str]:
+    """Whose votes decide an election: the newest view's live members, or before any view the live nodes."""
+    if state.view is None:
+        return frozenset(state.alive | {state.me})
+    # A node that said it was leaving (its last report) is no longer a member: it shut down, it was not cut
+    # off, so it cannot be electing a master of its own.
+    left = {n for n, (r, _) in state.departed.items() if r.leaving}
+    left |= {n for n, r in state.reports.items() if r.leaving and n != state.me}
+    listed = {n.node_id for n in state.view.nodes if n.alive} | {state.view.master}
+    return frozenset(listed - left) or frozenset({state.me})
+
+
+def campaign(state: ClusterState, settled: bool, now: float, patience: float) -> cm.Claim | None:
+    """A claim to send when the rule names this node (it votes for itself); None otherwise.
 
     settled: this node has been up long enough to have heard a sitting master (it must not depose one it
-    simply has not met yet).
-    A node that sees fewer than half of the newest view's live members claims nothing: it is most likely
-    the one cut off, and a term raised alone would, once reconnected, depose the master the others kept.
+    simply has not met yet). A campaign without a quorum after `patience` seconds is given up; the next one
+    asks for a higher term. A node that cannot see a quorum of the members does not campaign: it is most
+    likely the one cut off, and a term raised alone would, once reconnected, depose the master the others
+    kept.
     """
+    if state.candidacy is not None:
+        if now - state.candidacy.since < patience:
+            return None
+        state.candidacy = None
     if not settled or state.is_master:
         return None
-    alive = state.alive | {state.me}
-    known = {n.node_id for n in state.view.nodes if n.alive} if state.view is not None else set()
-    if 2 * len(alive & known) < len(known):
+    alive, voters = state.alive | {state.me}, members(state)
+    if not election.quorum(alive, voters):
         return None
-    master, term = election.elect(alive, state.master, state.term)
-    return term if master == state.me else None
+    master, _ = election.elect(alive, state.master, state.term)
+    if master != state.me:
+        return None
+    term = max(state.term, state.voted_term) + 1
+    state.voted_term, state.voted_for = term, state.me
+    state.candidacy = Candidacy(term, voters, now, {state.me})
+    return cm.Claim(term=term, candidate=state.me, members=sorted(voters))
+
+
+def grant(state: ClusterState, claim: cm.Claim) -> cm.Vote | None:
+    """This node's vote for a claim, at most one per term; None to refuse."""
+    if claim.candidate == state.me or claim.term <= state.term:
+        return None
+    if claim.term < state.voted_term:
+        return None  # voted in a later term already
+    if claim.term == state.voted_term and state.voted_for != claim.candidate:
+        return None  # one vote per term
+    sitting = state.master
+    if sitting is not None and sitting != claim.candidate and sitting in state.alive | {state.me}:
+        # A master this node still sees is not deposed behind its back; if it is gone once this node's own
+        # lease says so, the vote follows (`reconsider`) without waiting for the candidate to ask again.
+        if state.deferred is None or claim.term >= state.deferred.term:
+            state.deferred = claim
+        return None
+    state.deferred = None
+    state.voted_term, state.voted_for = claim.term, claim.candidate
+    if state.candidacy is not None and state.candidacy.term <= claim.term:
+        state.candidacy = None
+    return cm.Vote(term=claim.term, candidate=claim.candidate, voter=state.me)
+
+
+def reconsider(state: ClusterState) -> cm.Vote | None:
+    """The vote for a claim refused only because the sitting master seemed alive, once it no longer does."""
+    claim, state.deferred = state.deferred, None
+    return None if claim is None else grant(state, claim)  # still refused for that reason: deferred again
+
+
+def count(state: ClusterState, vote: cm.Vote | None = None) -> int | None:
+    """Fold a vote into this node's campaign; the term it won, once it holds a quorum (it is master then)."""
+    c = state.candidacy
+    if c is None:
+        return None
+    if vote is not None and vote.term == c.term and vote.candidate == state.me:
+        c.votes.add(vote.voter)
+    if not election.quorum(c.votes, set(c.members)):
+        return None
+    state.candidacy = None
+    state.term, state.master = c.term, state.me
+    return c.term
 
 
 def node_losses(

@@ -213,13 +213,13 @@ class InstanceController:
         )
 
     def _launch(self, now: float) -> None:
-        gen = self.state.generation + 1
+        gen = st.next_generation(self.state.generation, self.term)
         try:
             launches = self.layout(gen)
         except LayoutError as exc:
             self._give_up(str(exc))
             return
-        st.new_generation(self.state, now, len(launches))
+        st.new_generation(self.state, now, len(launches), self.term)
         self.launches = launches
         for key, start in launches:
             self._outgoing.append((self._agent(key), start))

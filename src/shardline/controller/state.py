@@ -83,12 +83,33 @@ class InstanceState:
             self.speeds = [Speed() for _ in range(self.stages)]
 
 
-def new_generation(state: InstanceState, now: float, stages: int | None = None) -> None:
+GENERATION_BITS = 20  # a generation id is (master term << 20) | count: the term is part of its keys
+
+
+def next_generation(current: int, term: int) -> int:
+    """The id of the generation after `current`, launched by a master of `term`.
+
+    Two masters of different terms can never launch the same id (so never the same data-plane keys), and ids
+    only grow: a newer term's first generation is above every id of an older term."""
+    return max(current + 1, term << GENERATION_BITS)
+
+
+def generation_term(generation: int) -> int:
+    return generation >> GENERATION_BITS if generation > 0 else 0
+
+
+def generation_label(generation: int) -> str:
+    """How people read an id: "term.count" ("3.0" is term 3's first generation); a lone engine's as is."""
+    term = generation_term(generation)
+    return f"{term}.{generation - (term << GENERATION_BITS)}" if term else str(generation)
+
+
+def new_generation(state: InstanceState, now: float, stages: int | None = None, term: int = 0) -> None:
     """A new generation of `stages` stages (a re-placement may change their number)."""
     if stages is not None and stages != state.stages:
         state.stages = stages
         state.speeds = [Speed(attn_keys=state.speeds[0].attn_keys) for _ in range(stages)]
-    state.generation += 1
+    state.generation = next_generation(state.generation, term)
     state.phase = "starting"
     state.started_at = now
     state.fault = None
@@ -99,7 +120,7 @@ def new_generation(state: InstanceState, now: float, stages: int | None = None) 
 def adopt(state: InstanceState, generation: int, stages: int, now: float) -> None:
     """Take over a generation that serves already (a new master): heartbeats judge it from now on."""
     new_generation(state, now, stages)
-    state.generation = generation
+    state.generation = generation  # the id it was launched with, whichever term that was
     state.phase = "serving"
     for v in state.views:
         v.alive, v.last_heard = True, now

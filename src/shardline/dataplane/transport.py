@@ -208,13 +208,23 @@ class Inbox:
     """Merges several subscriptions into one queue; each subscription keeps its own arrival order.
 
     generation: accept only frames of this generation (None: any; the receiver sorts them out).
+    capacity: messages queued at most. Past it a message is dropped and counted, never waited for: a reader
+    that fell behind must not stall zenoh's receive threads, and through them every sender on the session
+    (a loss is caught like any other, by a deadline or an index gap). Senders that matter bound their own
+    traffic well below it (the ring's window, the fronts' queues).
     """
 
-    def __init__(self, session: zenoh.Session, generation: int | None = None, name: str = "inbox") -> None:
+    def __init__(
+        self,
+        session: zenoh.Session,
+        generation: int | None = None,
+        name: str = "inbox",
+        capacity: int = 4096,
+    ) -> None:
         self._session = session
         self._generation = generation
         self._name = name
-        self._queue: queue.Queue[Envelope] = queue.Queue()
+        self._queue: queue.Queue[Envelope] = queue.Queue(maxsize=capacity)
         self._subs: list[Any] = []
         self._watchers: dict[str, Callable[[Envelope], None]] = {}
         self._lock = threading.Lock()
@@ -249,7 +259,7 @@ class Inbox:
                     watcher(env)
                 except Exception:
                     log.exception("watcher of %s failed", source)
-            self._queue.put(env)
+            self._put(env)
 
         self._subs.append(self._session.declare_subscriber(key, on_sample))
 
@@ -259,7 +269,15 @@ class Inbox:
 
     def inject(self, source: str, message: Any) -> None:
         """Queue a message as if it had arrived (what a late receiver learns from elsewhere)."""
-        self._queue.put(Envelope(source, message, None))
+        self._put(Envelope(source, message, None))
+
+    def _put(self, env: Envelope) -> None:
+        try:
+            self._queue.put_nowait(env)
+        except queue.Full:
+            self.drop(
+                f"{type(env.message).__name__} from {env.source}: {self._queue.maxsize} messages queued"
+            )
 
     def get(self, timeout: float | None) -> Envelope:
         """Wait for the next message; timeout None means an idle wait, which has no deadline."""

@@ -73,6 +73,8 @@ class NodeAgent:
         self._runners: dict[RunnerKey, _Runner] = {}
         self._pending: set[RunnerKey] = set()  # fetching weights before the process starts
         self._cancelled: set[RunnerKey] = set()  # stopped while fetching: never started
+        self._newest: dict[str, int] = {}  # instance -> the newest generation a StartRunner named
+        self.fenced = 0  # StartRunners refused: an older generation, or a stage already running
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._inbox = Inbox(session, name="agent")
@@ -115,9 +117,29 @@ class NodeAgent:
         except Exception as exc:
             log.warning("could not report %s: %s", type(message).__name__, exc)
 
+    def _fence(self, spec: m.RunnerSpec) -> str | None:
+        """Why a StartRunner must not run (caller holds the lock): a generation older than one already
+        commanded (a deposed master's, or a late copy), or a stage that runs or is fetched already. A live
+        runner's entry is never overwritten: that would leave its process without an owner."""
+        key = (spec.instance, spec.generation, spec.stage)
+        newest = self._newest.get(spec.instance, -1)
+        if spec.generation < newest:
+            return f"generation {spec.generation} is older than {newest}"
+        if key in self._pending or (key in self._runners and self._runners[key].proc.poll() is None):
+            return "that stage runs already"
+        return None
+
     def _start(self, cmd: m.StartRunner) -> None:
         spec = cmd.spec
         if self._closed.is_set():
+            return
+        with self._lock:
+            why = self._fence(spec)
+            if why is None:
+                self._newest[spec.instance] = spec.generation
+        if why is not None:
+            self.fenced += 1
+            self._inbox.drop(f"StartRunner of {spec.instance} stage {spec.stage}: {why}")
             return
         issued = (cmd.term, cmd.view_seq)
         if cmd.reuse and self._rejoin(spec, issued):
@@ -184,6 +206,8 @@ class NodeAgent:
             except Exception as exc:
                 log.warning("runner %d could not be reused: %s", runner.proc.pid, exc)
                 return False
+            if self._fence(new) is not None:
+                return False
             del self._runners[key]
             runner.spec, runner.issued = new, issued  # its exit is now the new generation's
             self._runners[(new.instance, new.generation, new.stage)] = runner
@@ -197,6 +221,9 @@ class NodeAgent:
         with self._lock:
             if self._closed.is_set():
                 return
+            if key in self._runners and self._runners[key].proc.poll() is None:
+                log.warning("stage %d of %s generation %d runs already", spec.stage, spec.instance, key[1])
+                return  # never overwritten (see _fence)
             proc = spawn_runner(spec, threads)  # under the lock: close() cannot miss it
             runner_log = RotatingLog(stage_log(self.log_dir, spec.instance, spec.stage))
 

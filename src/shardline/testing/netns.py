@@ -386,6 +386,7 @@ class NetLab:
             raise ValueError("count must be in 1..250")
         self._lock = threading.RLock()
         self._procs: list[subprocess.Popen[Any]] = []
+        self._bridges: set[str] = set()  # extra bridges of split()
         self._closed = False
         self.bridge_ns = f"{self.name_prefix}-br"
         state = _read_state(self.name_prefix)
@@ -526,6 +527,24 @@ class NetLab:
         h = self.host(host)
         _ip("-n", self.bridge_ns, "link", "set", h.port, "up")
         self._wait_carrier(h, up=True)
+
+    def split(self, groups: Sequence[Sequence[Host | int | str]]) -> None:
+        """Partition the switch: each group's ports move to a bridge of its own (group 0 stays on br0), so
+        hosts reach only their own group. Carrier stays up: nothing tells a host that it was cut off."""
+        with self._lock:
+            for g, members in enumerate(groups):
+                bridge = BRIDGE_IF if g == 0 else f"br{g}"
+                if g and bridge not in self._bridges:
+                    _ip("-n", self.bridge_ns, "link", "add", bridge, "type", "bridge",
+                        "stp_state", "0", "forward_delay", "0", "mcast_snooping", "0")  # fmt: skip
+                    _ip("-n", self.bridge_ns, "link", "set", bridge, "up")
+                    self._bridges.add(bridge)
+                for which in members:
+                    _ip("-n", self.bridge_ns, "link", "set", self.host(which).port, "master", bridge)
+
+    def heal(self) -> None:
+        """Undo split(): every port back on br0."""
+        self.split([self.hosts])
 
     def _wait_carrier(self, h: Host, up: bool, timeout: float = 5.0) -> None:
         def ok() -> bool:

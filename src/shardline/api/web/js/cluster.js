@@ -53,6 +53,9 @@ export function renderNodes(container, state) {
 
 const PHASE_LABEL = { weights: "copying weights", warming: "warming up" };
 const phaseLabel = (p) => PHASE_LABEL[p] || p;
+// A generation id is (master term << 20) | count (controller/state.py): shown as "term.count".
+const GENERATION_SPAN = 1 << 20;
+const generationLabel = (g) => (g >= GENERATION_SPAN ? `${Math.floor(g / GENERATION_SPAN)}.${g % GENERATION_SPAN}` : `${g}`);
 const PHASE_TONE = { ready: "ok", recovering: "warn", failed: "bad", weights: "busy", loading: "busy", warming: "busy", placed: "busy", starting: "busy" };
 
 function stageBand(st, k, total) {
@@ -154,7 +157,7 @@ export function renderInstances(container, state, { onRemove }) {
         {},
         h("strong", {}, inst.model),
         h("span", { class: `badge ${PHASE_TONE[inst.phase] || ""}`, "data-role": "phase" }, phaseLabel(inst.phase)),
-        h("span", { class: "small" }, `${inst.instance} · generation ${inst.generation} · ${inst.recoveries} recover${inst.recoveries === 1 ? "y" : "ies"}`),
+        h("span", { class: "small" }, `${inst.instance} · generation ${generationLabel(inst.generation)} · ${inst.recoveries} recover${inst.recoveries === 1 ? "y" : "ies"}`),
         removeButton(inst.instance, onRemove),
       ),
       inst.why && inst.phase !== "ready" ? h("p", { class: "why" }, inst.why) : null,

@@ -259,14 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     bso = bsub.add_parser(
         "soak", help="minutes of HTTP load through every node of a local cluster, with chaos"
     )
-    bso.add_argument("--minutes", type=float, default=10.0)
+    bso.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
     bso.add_argument("--seconds", type=float, default=None, help="instead of --minutes (smoke runs)")
-    bso.add_argument("--nodes", type=int, default=3)
-    bso.add_argument("--json", type=Path, default=None)
+    bso.add_argument("--nodes", type=int, default=3, help="node daemons of the local cluster")
+    bso.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     bso.add_argument("--model", default=None, help="default, tiny (a tiny random model), or a name or path")
     bso.add_argument("--concurrency", type=int, default=None, help="client threads (default: 2 per node)")
-    bso.add_argument("--seed", type=int, default=0)
-    bso.add_argument("--max-tokens", type=int, default=None)
+    bso.add_argument("--seed", type=int, default=0, help="seed of the prompts and the faults")
+    bso.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: the bench's)")
     bso.add_argument(
         "--fault-interval", type=float, default=None, help="mean seconds between faults (default 60)"
     )

@@ -298,7 +298,7 @@ def test_the_shell_answers_queries_from_the_loop_step_not_the_zenoh_callback():
     import threading
 
     from shardline.cluster.master import Master, Posted
-    from shardline.controller.settings import RunSettings
+    from shardline.controller.settings import InstanceSettings
     from shardline.dataplane.transport import open_session
 
     session = open_session([], [])
@@ -307,7 +307,7 @@ def test_the_shell_answers_queries_from_the_loop_step_not_the_zenoh_callback():
     logged: list[cm.ClusterEvent] = []
     config = ms.MasterConfig(me="a", namespace="test-master-shell", report_s=0.5)
     snap = lambda: ms.snapshot(cluster(), time.monotonic(), time.time())  # noqa: E731
-    m = Master(session, config, RunSettings(), 1, snap(), posted.put, views.append, logged.extend)
+    m = Master(session, config, InstanceSettings(), 1, snap(), posted.put, views.append, logged.extend)
     key = "test-master-shell/master/query"
     try:
         got: list[cm.MasterReply] = []

@@ -53,7 +53,14 @@ def test_deadline_grows_with_the_cache_a_step_reserves():
 def test_deadline_is_clamped_and_speed_only_grows():
     speed = Speed(attn_keys=100)
     policy = DeadlinePolicy(floor=2.0, ceiling=30.0, slack=10.0)
-    assert policy.step(speed, 1, 1) == 2.0  # nothing measured yet: the floor
+    assert policy.step(speed, 255, 255) == 30.0  # nothing measured yet: the ceiling, whatever the size
+    speed.observe(1, 1, 0.01)
+    assert policy.step(speed, 1, 1) == 2.0  # a fast step: the floor
+    # A decode step says nothing about a prefill chunk: until one is measured, the chunk gets the ceiling
+    # (a CI run called the ring's first 255-position warm-up step stalled at the 2 s floor).
+    assert policy.step(speed, 255, 255) == 30.0
+    speed.observe(255, 255, 0.05)
+    assert policy.step(speed, 255, 255) == 2.0
     speed.observe(8, 8, 100.0)
     assert policy.step(speed, 8, 8) == 30.0  # a monster step: the ceiling
     before = speed.estimate(8, 8)

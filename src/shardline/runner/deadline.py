@@ -31,20 +31,25 @@ class Speed:
     attn_keys: int = 4096
     base_s: float = 0.0  # slowest small step: fixed cost of a step (weights read, framework overhead)
     per_work_s: float = 0.0  # slowest cost per work unit of larger steps, beyond base_s
+    small_seen: bool = False
+    large_seen: bool = False  # per_work_s may stay 0 (a large step as fast as a small one) yet be measured
 
     def observe(self, n: int, context: int, seconds: float, reserve: int = 0) -> None:
         if n <= SMALL_STEP:
+            self.small_seen = True
             self.base_s = max(self.base_s, seconds)
         else:
+            self.large_seen = True
             extra = max(0.0, seconds - self.base_s)
             self.per_work_s = max(self.per_work_s, extra / work(n, context, self.attn_keys, reserve))
 
     def estimate(self, n: int, context: int, reserve: int = 0) -> float:
         return self.base_s + self.per_work_s * work(n, context, self.attn_keys, reserve)
 
-    @property
-    def known(self) -> bool:
-        return self.base_s > 0 or self.per_work_s > 0
+    def covers(self, n: int) -> bool:
+        """Whether a step of n positions has been measured in its own size class: a decode step's time
+        says nothing about a prefill chunk's, so it must not set that chunk's deadline."""
+        return self.small_seen if n <= SMALL_STEP else self.large_seen
 
 
 @dataclass(frozen=True)
@@ -57,4 +62,6 @@ class DeadlinePolicy:
         return min(self.ceiling, max(self.floor, self.slack * estimate_s))
 
     def step(self, speed: Speed, n: int, context: int, reserve: int = 0) -> float:
+        if not speed.covers(n):  # not measured yet (the ring's own warm-up): err long, never call it dead
+            return self.ceiling
         return self.clamp(speed.estimate(n, context, reserve))

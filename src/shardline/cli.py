@@ -199,13 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", metavar="ENDPOINT", default=None, help="send through a cluster (e.g. tcp/127.0.0.1:7447)"
     )
     gen.add_argument("--namespace", default="shardline", help="the cluster's namespace (with --cluster)")
-    gen.add_argument(
-        "--cluster-key-file", type=Path, default=None, help="file holding the cluster's shared secret"
-    )
+    from shardline.cluster.cli import add_commands, add_credential_args
+
+    add_credential_args(gen)
     gen.add_argument("prompt", help="the text to answer")
     gen.set_defaults(func=cmd_generate)
-
-    from shardline.cluster.cli import add_commands
 
     add_commands(sub)
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from shardline.trust import refusals
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -44,6 +46,20 @@ class _Gauges(Collector):
             "HTTP requests admitted by this node and not yet ended (at --max-pending, more get 429)",
             value=self._pending(),
         )
+
+
+class _Refusals(Collector):
+    """What this process refused from peers (trust/refusals.py), by what and why."""
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "shardline_refused",
+            "commands and frames from peers this node refused (outdated term, unauthorised, malformed)",
+            labels=["what", "reason"],
+        )
+        for (what, reason), n in sorted(refusals.counts().items()):
+            family.add_metric([what, reason], n)
+        yield family
 
 
 class Metrics:
@@ -84,6 +100,7 @@ class Metrics:
             registry=r,
         )
         r.register(_Gauges(gauges, pending))
+        r.register(_Refusals())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

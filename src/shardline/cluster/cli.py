@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,23 +41,33 @@ def _wait_for_signal() -> int:
     return got[0]
 
 
-def _secret_file(args: argparse.Namespace) -> Path | None:
-    """--cluster-key (a string) is written to a private file, which zenoh's authentication reads."""
-    if getattr(args, "cluster_key", None):
-        fd, path = tempfile.mkstemp(prefix="shardline-key-")
-        with os.fdopen(fd, "w") as f:
-            f.write(f"shardline:{args.cluster_key}\n")
-        return Path(path)
-    path = getattr(args, "cluster_key_file", None)
-    if path is not None:
-        text = Path(path).read_text().strip()
-        if ":" not in text:  # a bare secret: give it the user name zenoh wants
-            fd, tmp = tempfile.mkstemp(prefix="shardline-key-")
-            with os.fdopen(fd, "w") as f:
-                f.write(f"shardline:{text}\n")
-            return Path(tmp)
-        return Path(path)
-    return None
+def credentials(args: argparse.Namespace) -> Any:
+    """The key (--cluster-key-file, else $SHARDLINE_CLUSTER_KEY) and TLS folder (--tls, else
+    $SHARDLINE_TLS_DIR) this command joins the cluster with."""
+    from shardline.trust.credentials import CredentialsError, resolve
+
+    try:
+        return resolve(getattr(args, "cluster_key_file", None), getattr(args, "tls", None))
+    except CredentialsError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def add_credential_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every command that joins a cluster takes (the key itself is never a flag: it would show
+    in the process list)."""
+    parser.add_argument(
+        "--cluster-key-file",
+        type=Path,
+        default=None,
+        help="file (mode 600) holding the cluster's shared secret (default: $SHARDLINE_CLUSTER_KEY)",
+    )
+    parser.add_argument(
+        "--tls",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="TLS folder from `shardline cluster init` (ca.pem, node.pem, node.key); links become tls/",
+    )
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -78,7 +88,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         listen=args.listen,
         peers=args.peer or [],
         multicast_interface=args.multicast_interface,
-        secret_file=_secret_file(args),
+        credentials=credentials(args),
+        allow_faults=args.allow_faults,
         data_dir=args.data_dir,
         models_dir=args.models_dir,
         memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
@@ -119,7 +130,7 @@ def cmd_place(args: argparse.Namespace) -> int:
     from shardline.controller.state import generation_label
 
     request = PlacementRequest(sequences=args.sequences, reserve_tokens=args.reserve_tokens)
-    with ClusterClient([args.cluster], args.namespace, _secret_file(args)) as client:
+    with ClusterClient([args.cluster], args.namespace, credentials(args)) as client:
         reply = client.place(args.model, request, dry_run=args.dry_run)
         assert reply.placement is not None
         for k, a in enumerate(reply.placement.stages):
@@ -140,20 +151,27 @@ def start_nodes(
     extra: list[str] | None = None,
     quiet: bool = True,
     api_port: int | None = None,
+    creds: Any = None,
+    tls_root: Path | None = None,
 ) -> tuple[list[subprocess.Popen], str]:
     """`count` node daemons on loopback; the first listens on `port`, the others name it as a peer. Node i
-    serves HTTP on api_port + i (none when api_port is None)."""
-    first = f"tcp/127.0.0.1:{port}"
+    serves HTTP on api_port + i (none when api_port is None). The key (creds) reaches them in their
+    environment; with tls_root, node i uses the TLS folder tls_root/nodes/node-i."""
+    first = f"{'tls' if tls_root else 'tcp'}/127.0.0.1:{port}"
+    env = {**os.environ, **(creds.env() if creds is not None else {})}
+    env.pop("SHARDLINE_TLS_DIR", None)  # each node has its own folder
     procs = []
     for i in range(count):
         listen = first if i == 0 else "tcp/127.0.0.1:0"
         argv = [sys.executable, "-m", "shardline", "node", "--listen", listen, "--name", f"node-{i}"]
         argv += ["--data-dir", str(base_dir / f"node-{i}"), "--threads", "1", *(extra or [])]
         argv += ["--no-api"] if api_port is None else ["--api-port", str(api_port + i)]
+        if tls_root is not None:
+            argv += ["--tls", str(tls_root / "nodes" / f"node-{i}")]
         if i:
             argv += ["--peer", first]
         out = subprocess.DEVNULL if quiet else None
-        procs.append(subprocess.Popen(argv, stdout=out, start_new_session=True))
+        procs.append(subprocess.Popen(argv, stdout=out, start_new_session=True, env=env))
     return procs, first
 
 
@@ -181,14 +199,25 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from shardline.cluster.client import ClusterClient
     from shardline.models.registry import resolve_model
+    from shardline.trust import ca
+    from shardline.trust.credentials import Credentials
 
     positive(args.nodes, "--nodes")
+    creds = credentials(args)  # the key, if one is given; TLS is made here when asked for
     model_dir = resolve_model(args.model)  # import the model once, before any node reports it
     base = Path(args.data_dir or Path(user_data_dir("shardline")) / "up")
+    tls_root = None
+    if args.tls:
+        tls_root = base / "tls"
+        shutil.rmtree(tls_root, ignore_errors=True)  # a fresh CA per run: nothing old is trusted
+        ca.init(tls_root, [f"node-{i}" for i in range(args.nodes)])
+        creds = Credentials(creds.key, tls_root / "nodes" / "client")
     extra = ["--models-dir", str(model_dir.parent)]
-    procs, endpoint = start_nodes(args.nodes, base, args.port, extra, not args.verbose, args.api_port)
+    procs, endpoint = start_nodes(
+        args.nodes, base, args.port, extra, not args.verbose, args.api_port, creds, tls_root
+    )
     try:
-        with ClusterClient([endpoint]) as client:
+        with ClusterClient([endpoint], credentials=creds) as client:
             try:
                 client.wait(lambda v: sum(n.alive for n in v.nodes) >= args.nodes, 60, f"{args.nodes} nodes")
                 reply = client.place(model_dir.name)
@@ -211,6 +240,32 @@ def cmd_up(args: argparse.Namespace) -> int:
             _wait_for_signal()
     finally:
         stop_nodes(procs)
+    return 0
+
+
+def cmd_cluster_init(args: argparse.Namespace) -> int:
+    from shardline.trust import ca
+    from shardline.trust.credentials import CredentialsError
+
+    try:
+        folders = ca.init(args.dir, args.node or ["node-0", "node-1"])
+    except CredentialsError as exc:
+        raise CliError(str(exc)) from exc
+    print(f"cluster CA in {args.dir / 'ca'} (keep its ca.key on this machine); a TLS folder per node:")
+    for f in folders:
+        print(f"  {f}: copy to that machine, then `shardline node --tls {f.name}-folder ...`")
+    return 0
+
+
+def cmd_cluster_add_node(args: argparse.Namespace) -> int:
+    from shardline.trust import ca
+    from shardline.trust.credentials import CredentialsError
+
+    try:
+        folder = ca.add_node(args.dir, args.name, args.address)
+    except (CredentialsError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    print(f"{folder}: copy to the new machine, then `shardline node --tls FOLDER --peer tls/HOST:PORT ...`")
     return 0
 
 
@@ -241,7 +296,7 @@ def generate_on_cluster(
 ) -> int:
     from shardline.cluster.client import ClusterClient
 
-    with ClusterClient([args.cluster], args.namespace, _secret_file(args)) as client:
+    with ClusterClient([args.cluster], args.namespace, credentials(args)) as client:
         view = client.wait(lambda v: True, 10, "the cluster's view")
         rec = next((r for r in view.instances if r.model == model and r.phase != "failed"), None)
         if rec is None:
@@ -267,12 +322,11 @@ def add_commands(sub: Any) -> None:
     node.add_argument(
         "--multicast-interface", default=None, help="discover peers by multicast on this interface"
     )
-    node.add_argument("--cluster-key", default=None, help="shared secret: a node without it cannot join")
+    add_credential_args(node)
     node.add_argument(
-        "--cluster-key-file",
-        type=Path,
-        default=None,
-        help="file holding the shared secret (see --cluster-key)",
+        "--allow-faults",
+        action="store_true",
+        help="obey commands that inject faults (tests and benches only)",
     )
     node.add_argument("--data-dir", type=Path, default=None, help="identity and logs (default: XDG data dir)")
     node.add_argument(
@@ -332,7 +386,32 @@ def add_commands(sub: Any) -> None:
     )
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to be ready")
     up.add_argument("--ask", default=None, help="once ready, stream the answer to this prompt")
+    up.add_argument(
+        "--tls", action="store_true", help="every link over TLS: a fresh cluster CA and node certificates"
+    )
+    up.add_argument(
+        "--cluster-key-file",
+        type=Path,
+        default=None,
+        help="file (mode 600) holding a shared secret the nodes require (default: $SHARDLINE_CLUSTER_KEY)",
+    )
     up.set_defaults(func=cmd_up)
+
+    cluster = sub.add_parser("cluster", help="a cluster's TLS certificates (a CA, and one folder per node)")
+    csub = cluster.add_subparsers(dest="cluster_command", required=True)
+    init = csub.add_parser("init", help="make a cluster CA in DIR/ca and a TLS folder per node in DIR/nodes")
+    init.add_argument("dir", type=Path, help="where the CA and the node folders go")
+    init.add_argument(
+        "--node", action="append", default=None, help="a node's name (repeatable; default: node-0, node-1)"
+    )
+    init.set_defaults(func=cmd_cluster_init)
+    add = csub.add_parser("add-node", help="sign a TLS folder for one more node with DIR's CA")
+    add.add_argument("dir", type=Path, help="the folder `cluster init` made")
+    add.add_argument("name", help="the new node's name")
+    add.add_argument(
+        "--address", action="append", default=None, help="an IP address the node is reached at (repeatable)"
+    )
+    add.set_defaults(func=cmd_cluster_add_node)
 
     place = sub.add_parser("place", help="place a model on a running cluster (or preview with --dry-run)")
     place.add_argument("model", help="the model to place (a name some node holds)")
@@ -340,10 +419,7 @@ def add_commands(sub: Any) -> None:
         "--cluster", default=f"tcp/127.0.0.1:{DEFAULT_PORT}", help="endpoint of any node of the cluster"
     )
     place.add_argument("--namespace", default="shardline", help="the cluster's namespace")
-    place.add_argument("--cluster-key", default=None, help="the cluster's shared secret")
-    place.add_argument(
-        "--cluster-key-file", type=Path, default=None, help="file holding the cluster's shared secret"
-    )
+    add_credential_args(place)
     place.add_argument(
         "--dry-run", action="store_true", help="print where the stages would go; place nothing"
     )

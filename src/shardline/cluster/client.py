@@ -11,9 +11,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import zenoh
+from pydantic import ValidationError
 
 from shardline.cluster import election
 from shardline.cluster import messages as cm
@@ -24,6 +24,7 @@ from shardline.dataplane.frame import decode
 from shardline.dataplane.transport import Keys, Link, open_session
 from shardline.errors import EngineError
 from shardline.front.front import Front, ModelLimits
+from shardline.trust.credentials import Credentials
 
 
 class ClusterError(EngineError):
@@ -35,13 +36,13 @@ class ClusterClient:
         self,
         connect: list[str],
         namespace: str = "shardline",
-        secret_file: Path | None = None,
+        credentials: Credentials | None = None,
         session: zenoh.Session | None = None,
     ) -> None:
         self.keys = ClusterKeys(namespace)
         self.namespace = namespace
         self._own_session = session is None
-        link = Link(multicast_interface=None, secret_file=str(secret_file) if secret_file else None)
+        link = Link(multicast_interface=None, credentials=credentials or Credentials())
         self.session = session or open_session([], connect, link)
         self.view: cm.ClusterView | None = None
         self.view_arrivals: dict[int, float] = {}  # term -> when its first view arrived (monotonic)
@@ -133,13 +134,21 @@ class ClusterClient:
     def place(
         self, model: str, request: PlacementRequest | None = None, dry_run: bool = False
     ) -> cm.MasterReply:
-        reply = self.ask(cm.Place(model=model, request=request or PlacementRequest(), dry_run=dry_run))
+        try:
+            query = cm.Place(model=model, request=request or PlacementRequest(), dry_run=dry_run)
+        except ValidationError as exc:
+            raise ClusterError(f"{model!r} is not a model name (letters, digits, '.', '_', '-')") from exc
+        reply = self.ask(query)
         if not reply.ok:
             raise ClusterError(reply.error)
         return reply
 
     def remove(self, instance: str) -> None:
-        reply = self.ask(cm.Remove(instance=instance))
+        try:
+            query = cm.Remove(instance=instance)
+        except ValidationError as exc:
+            raise ClusterError(f"{instance!r} is not an instance id") from exc
+        reply = self.ask(query)
         if not reply.ok:
             raise ClusterError(reply.error)
 

@@ -12,6 +12,7 @@ from pydantic import Field, TypeAdapter
 
 from shardline.cluster.placement import ModelFootprint, Placement, PlacementRequest
 from shardline.dataplane.messages import Wire
+from shardline.trust.names import Name
 
 InstancePhase = Literal["placed", "weights", "loading", "warming", "ready", "recovering", "failed"]
 
@@ -155,19 +156,18 @@ BALLOTS = TypeAdapter(BallotMessage)
 
 class Place(Wire):
     kind: Literal["place"] = "place"
-    model: str
+    model: Name
     request: PlacementRequest = PlacementRequest()
     dry_run: bool = False
     # Place only when the model has no live instance, else answer with that one (the API's auto-place:
     # requests through different nodes may ask for the same model at once).
     if_absent: bool = False
     nonce: str = ""  # the same query sent again (a retry) is answered once
-    if_absent: bool = False  # an instance of the model exists already (not failed): that one is the answer
 
 
 class Remove(Wire):
     kind: Literal["remove"] = "remove"
-    instance: str
+    instance: Name
     nonce: str = ""
 
 

@@ -40,6 +40,7 @@ from shardline.dataplane.frame import decode, encode
 from shardline.dataplane.transport import Link, open_session
 from shardline.models.registry import cache_dir
 from shardline.node.agent import NodeAgent
+from shardline.trust.credentials import Credentials
 
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
@@ -59,7 +60,8 @@ class NodeConfig(BaseModel):
     listen: str = "tcp/127.0.0.1:0"  # port 0: a free one is chosen
     peers: list[str] = []
     multicast_interface: str | None = None  # multicast scouting on this interface; None: off
-    secret_file: Path | None = None
+    allow_faults: bool = False  # obey commands that inject faults: only for tests and benches
+    credentials: Credentials = Credentials()  # the cluster key and TLS folder; none: an open cluster
     data_dir: Path | None = None
     models_dir: Path | None = None  # None: the model cache (where `shardline models pull` imports)
     memory_limit: int | None = Field(None, gt=0)
@@ -99,10 +101,9 @@ class Node:
         self.node_id, self.name = node_identity(data_dir, config.name)
         self.models_root = config.resolved_models_dir()
         self.log_dir = data_dir / "logs"
-        self.endpoint = concrete_endpoint(config.listen)
+        self.endpoint = config.credentials.endpoint(concrete_endpoint(config.listen))
         self.host = self.endpoint.split("/", 1)[1].rpartition(":")[0]
-        secret = str(config.secret_file) if config.secret_file else None
-        self.link = Link(config.lease_ms, config.multicast_interface, secret)
+        self.link = Link(config.lease_ms, config.multicast_interface, config.credentials)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
         self.score = config.compute_score or compute_score()
@@ -135,7 +136,13 @@ class Node:
                 raise
         self.agent = (
             NodeAgent(
-                s, self.keys.agent(self.node_id), self.log_dir, fetch=self._fetch, obey=self._obey
+                s,
+                self.keys.agent(self.node_id),
+                self.log_dir,
+                fetch=self._fetch,
+                obey=self._obey,
+                allow_faults=self.config.allow_faults,
+                credentials=self.config.credentials,
             ).start()
             if self.config.worker
             else None

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from shardline.compute.sampling import SamplingParams
 from shardline.runner.spec import RunnerSpec
 from shardline.supervisor.diagnostics import Diagnostic
+from shardline.trust.names import Name
 
 
 class Wire(BaseModel):
@@ -365,7 +366,7 @@ class StopGeneration(Wire):
     """Stop every runner of the instance whose generation is not `keep` (-1: all), after `grace_s`."""
 
     kind: Literal["stop_generation"] = "stop_generation"
-    instance: str
+    instance: Name
     keep: int = -1
     grace_s: float = 0.0
     term: int = 0

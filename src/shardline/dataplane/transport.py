@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zenoh
 from pydantic import TypeAdapter
 
 from shardline.dataplane import frame
+from shardline.trust.credentials import Credentials
 
 log = logging.getLogger("shardline.transport")
 
@@ -36,15 +36,20 @@ class TransportError(RuntimeError):
 
 @dataclass(frozen=True)
 class Link:
-    """How a session joins its cluster: transport lease, multicast scouting, the shared secret."""
+    """How a session joins its cluster: transport lease, multicast scouting, key and TLS."""
 
     lease_ms: int = 2000  # a peer silent this long is gone (zenoh's default is 10 s)
     multicast_interface: str | None = None  # None: multicast scouting off (peers named explicitly)
-    secret_file: str | None = None  # "user:password"; a peer without the same secret cannot connect
+    credentials: Credentials = field(
+        default_factory=Credentials
+    )  # a peer without the same key or CA cannot connect
 
 
 def session_config(listen: list[str], connect: list[str], link: Link | None = None) -> zenoh.Config:
+    """The session's configuration, less its credentials (Credentials.applied adds them)."""
     link = link or Link()
+    listen = [link.credentials.endpoint(e) for e in listen]
+    connect = [link.credentials.endpoint(e) for e in connect]
     config = zenoh.Config()
     config.insert_json5("mode", '"peer"')
     # Multicast scouting would announce us on the machine's real interfaces unless an interface is named.
@@ -55,10 +60,6 @@ def session_config(listen: list[str], connect: list[str], link: Link | None = No
     config.insert_json5("connect/endpoints", json.dumps(connect))
     config.insert_json5("transport/link/tx/lease", str(link.lease_ms))
     config.insert_json5("transport/link/tx/keep_alive", "4")
-    if link.secret_file is not None:
-        user, password = Path(link.secret_file).read_text().strip().split(":", 1)
-        auth = {"user": user, "password": password, "dictionary_file": link.secret_file}
-        config.insert_json5("transport/auth/usrpwd", json.dumps(auth))
     return config
 
 
@@ -66,7 +67,9 @@ def open_session(listen: list[str], connect: list[str], link: Link | None = None
     # zenoh closes a link to a vanished peer with a 10 s socket linger, blocking the receive thread that
     # closes it; with its default two receive threads a pulled cable stalls the whole session that long.
     os.environ.setdefault("ZENOH_RUNTIME", "(rx: (worker_threads: 8))")
-    return zenoh.open(session_config(listen, connect, link))
+    link = link or Link()
+    with link.credentials.applied(session_config(listen, connect, link)) as config:
+        return zenoh.open(config)
 
 
 @dataclass(frozen=True)

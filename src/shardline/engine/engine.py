@@ -99,7 +99,7 @@ class Engine:
         self.kv_budget_bytes = config.kv_budget_bytes or int(psutil.virtual_memory().available * 0.5)
         self.instance_keys = Keys(self.instance)
         self.agent_key = agent_key = ClusterKeys().agent(f"local-{self.instance}")
-        self.agent = NodeAgent(self.session, agent_key, self.log_dir)
+        self.agent = NodeAgent(self.session, agent_key, self.log_dir, allow_faults=True)  # tests inject them
         limits = ModelLimits(int(self.model_config.get("vocab_size") or 2**31), self.context_length)
         self.front = Front(
             self.session, self.instance_keys, limits, max_queue=config.max_queue, resume=config.resume

@@ -27,6 +27,8 @@ from shardline.node.launch import spawn_runner, stop_runners
 from shardline.supervisor.classify import LineClassifier
 from shardline.supervisor.diagnostics import Diagnostic
 from shardline.supervisor.logs import RotatingLog, pump_stream
+from shardline.trust.credentials import Credentials
+from shardline.trust.refusals import refuse
 
 log = logging.getLogger("shardline.agent")
 TAIL_LINES = 5
@@ -54,8 +56,11 @@ RunnerKey = tuple[str, int, int]  # instance, generation, stage
 
 class NodeAgent:
     """agent_key: where commands arrive. fetch: how a spec without a model_dir gets one (the node resolves
-    the model name, copying the stage's weights from a peer if needed); without it, specs name a model_dir.
-    obey: whether a command of this master term is to be obeyed (a node follows the highest term seen)."""
+    the model name, copying the stage's weights from a peer if needed); with it, a spec naming a path is
+    refused: a command names a model the node holds, never a file of its. Without it (a local engine), specs
+    name a model_dir. obey: whether a command of this master term is to be obeyed (a node follows the highest
+    term seen). allow_faults: obey specs that inject faults (tests and benches only). credentials: what the
+    runners join with (the node's key and TLS folder)."""
 
     def __init__(
         self,
@@ -65,7 +70,11 @@ class NodeAgent:
         *,
         fetch: Callable[[m.StartRunner, Callable[[int, int, str], None]], Path] | None = None,
         obey: Callable[[int], bool] = lambda term: True,
+        allow_faults: bool = False,
+        credentials: Credentials | None = None,
     ) -> None:
+        self._allow_faults = allow_faults
+        self._credentials = credentials
         self.session = session
         self.log_dir = Path(log_dir)
         self._fetch = fetch
@@ -95,6 +104,11 @@ class NodeAgent:
             msg = env.message
             if not self._obey(msg.term):
                 self._inbox.drop(f"{msg.kind} of an old master's term {msg.term}")
+                refuse(msg.kind, "outdated term", f"term {msg.term}")
+                continue
+            if isinstance(msg, m.StartRunner) and (why := self._unauthorised(msg.spec)) is not None:
+                self._inbox.drop(f"StartRunner of {msg.spec.instance}: {why}")
+                refuse(msg.kind, why, f"instance {msg.spec.instance}")
                 continue
             try:
                 if isinstance(msg, m.StartRunner):
@@ -116,6 +130,16 @@ class NodeAgent:
             outbox.send(message)
         except Exception as exc:
             log.warning("could not report %s: %s", type(message).__name__, exc)
+
+    def _unauthorised(self, spec: m.RunnerSpec) -> str | None:
+        """Why no master may command this StartRunner, whatever its term; None when it may."""
+        if spec.fault is not None and not self._allow_faults:
+            return "fault injection is off"
+        if self._fetch is not None and spec.model_dir:
+            return "names a path, not a model"
+        if self._fetch is not None and not spec.model:
+            return "names no model"
+        return None
 
     def _fence(self, spec: m.RunnerSpec) -> str | None:
         """Why a StartRunner must not run (caller holds the lock): a generation older than one already
@@ -140,6 +164,7 @@ class NodeAgent:
         if why is not None:
             self.fenced += 1
             self._inbox.drop(f"StartRunner of {spec.instance} stage {spec.stage}: {why}")
+            refuse("start_runner", "fenced", why)
             return
         issued = (cmd.term, cmd.view_seq)
         if cmd.reuse and self._rejoin(spec, issued):
@@ -224,7 +249,7 @@ class NodeAgent:
             if key in self._runners and self._runners[key].proc.poll() is None:
                 log.warning("stage %d of %s generation %d runs already", spec.stage, spec.instance, key[1])
                 return  # never overwritten (see _fence)
-            proc = spawn_runner(spec, threads)  # under the lock: close() cannot miss it
+            proc = spawn_runner(spec, threads, self._credentials)  # under the lock: close() cannot miss it
             runner_log = RotatingLog(stage_log(self.log_dir, spec.instance, spec.stage))
 
             def on_diagnostic(diag: Diagnostic) -> None:

@@ -11,16 +11,20 @@ import psutil
 
 from shardline.compute import blas
 from shardline.runner.spec import RunnerSpec
+from shardline.trust.credentials import KEY_ENV, TLS_ENV, Credentials
 
 
-def spawn_runner(spec: RunnerSpec, threads: int) -> subprocess.Popen:
-    """Start a runner in its own session (process group); its stdout and stderr come back on one pipe."""
+def spawn_runner(spec: RunnerSpec, threads: int, credentials: Credentials | None = None) -> subprocess.Popen:
+    """Start a runner in its own session (process group); its stdout and stderr come back on one pipe. The
+    node's credentials reach it in its environment (readable by its owner only), never on its command line."""
+    env = {k: v for k, v in blas.runner_env(threads).items() if k not in (KEY_ENV, TLS_ENV)}
+    env.update((credentials or Credentials()).env())  # exactly the node's: an inherited variable never counts
     return subprocess.Popen(
         [sys.executable, "-m", "shardline.runner", spec.model_dump_json()],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=blas.runner_env(threads),
+        env=env,
         start_new_session=True,
     )
 

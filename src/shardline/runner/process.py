@@ -20,13 +20,22 @@ from shardline.compute import attention
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import FrameError
-from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, TransportError, open_session
+from shardline.dataplane.transport import (
+    DeadlineExceeded,
+    Inbox,
+    Keys,
+    Link,
+    Outbox,
+    TransportError,
+    open_session,
+)
 from shardline.runner.deadline import Speed
 from shardline.runner.faults import Faults
 from shardline.runner.leader import Leader
 from shardline.runner.signals import RejoinRequested, StopRunner
 from shardline.runner.spec import RunnerSpec
 from shardline.runner.worker import ProtocolError, StageWorker
+from shardline.trust.credentials import Credentials
 
 EXIT_FAILED = 3
 WARMUP_CHUNK_MAX = 512  # a warm-up chunk as large as a prefill chunk, within reason
@@ -40,7 +49,8 @@ class RunnerProcess:
     def __init__(self, spec: RunnerSpec) -> None:
         self.spec = spec
         self.keys = Keys(spec.instance, spec.generation, spec.namespace)
-        self.session = open_session(spec.listen, spec.connect)
+        # The node's key and TLS folder come through the environment, never the command line.
+        self.session = open_session(spec.listen, spec.connect, Link(credentials=Credentials.from_env()))
         self.rejoin_spec: RunnerSpec | None = None
         self.inbox = self._inbox(spec)
         self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from shardline.controller.settings import InstanceSettings
+from shardline.trust.names import Name, NameOrEmpty
 
 
 class Fault(BaseModel):
@@ -31,12 +32,14 @@ class RunnerSpec(InstanceSettings):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    instance: str
+    instance: Name
     generation: int
     stage: int
     stages: int
     model_dir: str  # on the node that runs it; a node agent fills it in from `model` when empty
-    model: str = ""  # the model's name across the cluster (a node without its files fetches the stage)
+    model: NameOrEmpty = (
+        ""  # the model's name across the cluster (a node without its files fetches the stage)
+    )
     namespace: str = "shardline"
     runner_id: str = ""  # set by the node agent: where a Rejoin reaches this process
     layer_start: int

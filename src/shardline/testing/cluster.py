@@ -21,6 +21,7 @@ import psutil
 
 from shardline.cluster.client import ClusterClient
 from shardline.cluster.messages import ClusterView
+from shardline.trust.credentials import KEY_ENV, TLS_ENV, Credentials
 
 # Overrides of InstanceSettings (controller/settings.py): short liveness settings, so failures are found
 # (and tests end) in seconds. Plain dicts: they travel as `--runner-settings` JSON and as Engine keywords.
@@ -57,6 +58,7 @@ class NodeProc:
     endpoint: str
     proc: subprocess.Popen | None = None
     log: Path | None = None
+    env: dict[str, str] | None = None  # the node's environment (its cluster key); None: this process's
 
     @property
     def api(self) -> str:
@@ -76,7 +78,11 @@ class NodeProc:
         self.log = self.data_dir / "node.log"
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [*(prefix or []), *self.argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                [*(prefix or []), *self.argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
             )
         return self
 
@@ -144,18 +150,33 @@ class LocalCluster:
     runners: dict = field(default_factory=lambda: dict(FAST_RUNNERS))
     namespace: str = "shardline"
     api: bool = False  # nodes serve HTTP (on ports they choose; NodeProc.api says which)
+    key: str | None = None  # the cluster key every node gets (in its environment)
+    tls_root: Path | None = None  # `cluster init` folder: node X uses tls_root/nodes/X, clients .../client
     nodes: dict[str, NodeProc] = field(default_factory=dict)
     clients: list[ClusterClient] = field(default_factory=list)
     _peers: dict[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         ports = [free_port() for _ in self.ids]
-        first = f"tcp/127.0.0.1:{ports[0]}"
+        first = f"{self.scheme}/127.0.0.1:{ports[0]}"
         for i, (node_id, port) in enumerate(zip(self.ids, ports, strict=True)):
-            endpoint = f"tcp/127.0.0.1:{port}"
+            endpoint = f"{self.scheme}/127.0.0.1:{port}"
             # argv is made at start(): flags set on the cluster after it was made still count.
             self.nodes[node_id] = NodeProc(node_id, self.root / node_id, [], endpoint)
             self._peers[node_id] = [] if i == 0 else [first]
+
+    @property
+    def scheme(self) -> str:
+        return "tls" if self.tls_root is not None else "tcp"
+
+    @property
+    def credentials(self) -> Credentials:
+        """What a client of this cluster joins with."""
+        return Credentials(self.key, self.tls_root / "nodes" / "client" if self.tls_root else None)
+
+    def node_env(self, key: str | None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in (KEY_ENV, TLS_ENV)}
+        return {**env, KEY_ENV: key} if key is not None else env
 
     def argv(self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None) -> list[str]:
         argv = [sys.executable, "-m", "shardline", "-v", "node", "--listen", listen, "--name", node_id]
@@ -163,6 +184,8 @@ class LocalCluster:
         argv += ["--data-dir", str(self.root / node_id), "--models-dir", str(models_dir or self.models_dir)]
         argv += ["--namespace", self.namespace, "--threads", "1", "--prefill-step", "8", "--lease-ms", "2000"]
         argv += ["--runner-settings", json.dumps(self.runners), *self.extra]
+        if self.tls_root is not None and (self.tls_root / "nodes" / node_id).is_dir():
+            argv += ["--tls", str(self.tls_root / "nodes" / node_id)]
         for p in peers:
             argv += ["--peer", p]
         return argv
@@ -171,6 +194,7 @@ class LocalCluster:
         for i, (node_id, n) in enumerate(self.nodes.items()):
             n.argv = self.argv(node_id, n.endpoint, self._peers[node_id])
             n.argv += self.node_extra.get(node_id, [])
+            n.env = self.node_env(self.key)
             n.start()
             if i == 0:
                 # The others join a node that is up: on a loaded machine a late first node (the lowest id,
@@ -178,16 +202,20 @@ class LocalCluster:
                 n.wait_listening()
         return self
 
-    def add(self, node_id: str, *extra: str, models_dir: Path | None = None) -> NodeProc:
+    def add(
+        self, node_id: str, *extra: str, models_dir: Path | None = None, key: str | bool | None = True
+    ) -> NodeProc:
+        """One more node joining the first; key=True: the cluster's key, else this key (None: none)."""
         first = next(iter(self.nodes.values())).endpoint
-        port = free_port()
-        argv = [*self.argv(node_id, f"tcp/127.0.0.1:{port}", [first], models_dir), *extra]
-        self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, f"tcp/127.0.0.1:{port}").start()
+        endpoint = f"{self.scheme}/127.0.0.1:{free_port()}"
+        argv = [*self.argv(node_id, endpoint, [first], models_dir), *extra]
+        env = self.node_env(self.key if key is True else key or None)
+        self.nodes[node_id] = NodeProc(node_id, self.root / node_id, argv, endpoint, env=env).start()
         return self.nodes[node_id]
 
-    def client(self, via: str | None = None) -> ClusterClient:
+    def client(self, via: str | None = None, credentials: Credentials | None = None) -> ClusterClient:
         node = self.nodes[via] if via else next(iter(self.nodes.values()))
-        c = ClusterClient([node.endpoint], self.namespace)
+        c = ClusterClient([node.endpoint], self.namespace, credentials or self.credentials)
         self.clients.append(c)
         return c
 

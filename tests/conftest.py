@@ -92,12 +92,16 @@ def model_dir() -> Path:
 
 @contextmanager
 def serving_cluster(
-    root: Path, ids: list[str], model_dir: Path, node_extra: dict[str, list[str]] | None = None
+    root: Path,
+    ids: list[str],
+    model_dir: Path,
+    node_extra: dict[str, list[str]] | None = None,
+    key: str | None = None,
 ) -> Iterator[Any]:
     """A LocalCluster of the default model whose nodes serve HTTP; on exit every runner must be gone."""
     from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
 
-    c = LocalCluster(root, ids, model_dir.parent)
+    c = LocalCluster(root, ids, model_dir.parent, key=key)
     c.runners = dict(MODEL_RUNNERS)
     c.api = True
     c.extra = ["--prefill-step", "64"]

@@ -20,6 +20,7 @@ from shardline.cluster.client import ClusterClient, ClusterError
 from shardline.cluster.placement import PlacementRequest
 from shardline.testing.cluster import LocalCluster
 from shardline.testing.reference import Reference
+from shardline.trust.credentials import Credentials
 
 SMALL = PlacementRequest(sequences=2, reserve_tokens=512, hop_cost_fraction=0.0)
 
@@ -240,11 +241,10 @@ def test_node_without_the_model_gets_its_stage_copied_and_a_corrupt_copy_is_fetc
 
 @pytest.mark.timeout(120)
 def test_node_with_a_wrong_cluster_key_is_never_listed(make_cluster, tmp_path):
-    cluster = make_cluster(["s1", "s2"], extra=["--cluster-key", "right-secret"])
-    good = ClusterClient([cluster.nodes["s1"].endpoint], secret_file=_key(tmp_path / "k1", "right-secret"))
-    cluster.clients.append(good)
+    cluster = make_cluster(["s1", "s2"], key="right-secret")
+    good = cluster.client("s1")
     wait_nodes(good, {"s1", "s2"})
-    intruder = cluster.add("s0", "--cluster-key", "wrong-secret")  # the lowest id: would be master if let in
+    intruder = cluster.add("s0", key="wrong-secret")  # the lowest id: would be master if let in
     # It starts and says so; then several views later it is still not listed and s1 is still master.
     deadline = time.monotonic() + 30
     while "listening on" not in intruder.tail() and time.monotonic() < deadline:
@@ -257,15 +257,9 @@ def test_node_with_a_wrong_cluster_key_is_never_listed(make_cluster, tmp_path):
         assert good.view is not None and "s0" not in {n.node_id for n in good.view.nodes}
         assert good.view.master == "s1"
     assert seen == 6
-    bad = ClusterClient([cluster.nodes["s1"].endpoint], secret_file=_key(tmp_path / "k2", "wrong-secret"))
-    cluster.clients.append(bad)
+    bad = cluster.client("s1", Credentials("wrong-secret"))
     with pytest.raises(ClusterError, match=r"no master|not seen"):
         bad.ask(cm.Place(model="tiny-llama"), 3)
-
-
-def _key(path: Path, secret: str) -> Path:
-    path.write_text(f"shardline:{secret}\n")
-    return path
 
 
 @pytest.mark.timeout(180)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from conftest import assert_no_runner_left, random_prompt
 from shardline.testing.cluster import FAST_RUNNERS
 from shardline.testing.netns import Host, NetLab, cleanup_stale, list_netns, netns_available
 from shardline.testing.reference import Reference
+from shardline.trust import ca
+from shardline.trust.credentials import TLS_ENV
 
 pytestmark = pytest.mark.skipif(netns_available() is not None, reason=f"netns: {netns_available()}")
 
@@ -41,6 +44,7 @@ CLIENT = r"""
 import json, sys, threading, time
 from shardline.cluster.client import ClusterClient
 from shardline.cluster.placement import PlacementRequest
+from shardline.trust.credentials import Credentials
 
 connect, namespace = json.loads(sys.argv[1]), sys.argv[2]
 lock = threading.Lock()
@@ -49,7 +53,7 @@ def say(ev, **kw):
     with lock:
         print(json.dumps({"ev": ev, "t": time.monotonic(), **kw}), flush=True)
 
-client = ClusterClient(connect, namespace=namespace)
+client = ClusterClient(connect, namespace=namespace, credentials=Credentials.from_env())
 closing = threading.Event()
 
 def views():
@@ -106,7 +110,15 @@ say("closed")
 class Client:
     """The client process; a thread collects its parsed stdout lines, so the test waits with deadlines."""
 
-    def __init__(self, lab: NetLab, host: Host, connect: list[str], namespace: str, err: Path) -> None:
+    def __init__(
+        self,
+        lab: NetLab,
+        host: Host,
+        connect: list[str],
+        namespace: str,
+        err: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.err = err
         with open(err, "wb") as err_file:
             self.proc = lab.popen(
@@ -116,6 +128,7 @@ class Client:
                 stdout=subprocess.PIPE,
                 stderr=err_file,
                 text=True,
+                env=env,
             )
         self.events: list[dict[str, Any]] = []
         self._new = threading.Condition()
@@ -200,19 +213,26 @@ class LabNode:
     """One `shardline node` daemon in its own namespace, discovering its peers by multicast scouting only."""
 
     def __init__(
-        self, lab: NetLab, host: Host, node_id: str, root: Path, models: Path, namespace: str
+        self,
+        lab: NetLab,
+        host: Host,
+        node_id: str,
+        root: Path,
+        models: Path,
+        namespace: str,
+        tls: Path | None = None,
     ) -> None:
         self.lab, self.host, self.node_id = lab, host, node_id
         self.data_dir = root / node_id
         self.data_dir.mkdir(parents=True)
         (self.data_dir / "node.json").write_text(json.dumps({"id": node_id}))  # the test names the node
-        self.endpoint = f"tcp/{host.address}:{PORT}"
+        self.endpoint = f"{'tls' if tls else 'tcp'}/{host.address}:{PORT}"
         self.log = self.data_dir / "node.log"
         argv = [PY, "-m", "shardline", "-v", "node", "--listen", self.endpoint]
         argv += ["--multicast-interface", host.interface, "--name", node_id, "--data-dir", str(self.data_dir)]
         argv += ["--models-dir", str(models), "--namespace", namespace, "--threads", "1", "--no-api"]
         argv += ["--prefill-step", "8", "--lease-ms", str(int(LEASE_S * 1000))]
-        argv += ["--runner-settings", json.dumps(FAST_RUNNERS)]
+        argv += ["--runner-settings", json.dumps(FAST_RUNNERS), *(["--tls", str(tls)] if tls else [])]
         with open(self.log, "wb") as out:
             self.proc = lab.popen(host, argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self._process: psutil.Process | None = None
@@ -287,15 +307,17 @@ class Lab:
         self.nodes: dict[str, LabNode] = {}
         self.clients: list[Client] = []
 
-    def node(self, host: int, node_id: str, namespace: str = NS) -> LabNode:
-        n = LabNode(self.net, self.net.hosts[host], node_id, self.root, self.models, namespace)
+    def node(self, host: int, node_id: str, namespace: str = NS, tls: Path | None = None) -> LabNode:
+        n = LabNode(self.net, self.net.hosts[host], node_id, self.root, self.models, namespace, tls)
         self.nodes[node_id] = n
         return n
 
-    def client(self, host: int, via: list[str], namespace: str = NS) -> Client:
+    def client(
+        self, host: int, via: list[str], namespace: str = NS, env: dict[str, str] | None = None
+    ) -> Client:
         connect = [self.nodes[v].endpoint for v in via]
         err = self.root / f"client{len(self.clients)}.err"
-        c = Client(self.net, self.net.hosts[host], connect, namespace, err)
+        c = Client(self.net, self.net.hosts[host], connect, namespace, err, env)
         self.clients.append(c)
         return c
 
@@ -525,3 +547,46 @@ def test_even_split_elects_on_one_side_only_and_a_minority_master_steps_down_onc
     terms = [line.rsplit(" ", 1)[-1] for line in elected]
     assert len(terms) == len(set(terms)), elected  # one winner per term, across every node's log
     print(f"\nmasters by term: {dict(sorted((t, sorted(m)) for t, m in seen.items()))}")
+
+
+# A raw capture inside the lab's switch namespace: every frame on every port, appended to a file as it comes.
+CAPTURE = r"""
+import socket, sys
+sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL: every port
+with open(sys.argv[1], "ab", buffering=0) as out:
+    while True:
+        out.write(sock.recv(65536))
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_with_tls_no_byte_of_a_served_prompt_crosses_the_wire(make_lab, tmp_path, tls):
+    """The same served prompt, captured on the switch: its token ids are on the wire in the clear over tcp/,
+    and nowhere with TLS (mutual, one cluster CA)."""
+    lab = make_lab("labt", 3)
+    folders = ca.init(tmp_path / "ca", ["t1", "t2"]) if tls else [None, None, None]
+    dump = tmp_path / "wire.bin"
+    capture = subprocess.Popen(
+        ["ip", "netns", "exec", lab.net.bridge_ns, PY, "-c", CAPTURE, str(dump)], start_new_session=True
+    )
+    try:
+        for i, node_id in enumerate(("t1", "t2")):
+            lab.node(i, node_id, tls=folders[i]).wait_listening()
+        env = {**os.environ, TLS_ENV: str(folders[2])} if tls else None
+        client = lab.client(2, ["t1", "t2"], env=env)
+        client.event("started", 30, "client start")
+        client.view(lambda ev: alive(ev) == {"t1", "t2"}, 60, "both nodes")
+        client.send(cmd="place", stages=2, timeout=120)
+        client.event("ready", 150, "the instance ready", cmd="place")
+        prompt = random_prompt(24, seed=41)
+        client.send(cmd="submit", prompt=prompt, max_tokens=4, tag="p", timeout=60)
+        client.event("done", 60, "the answer", tag="p")
+    finally:
+        capture.terminate()
+        capture.wait(timeout=10)
+    wire = dump.read_bytes()
+    assert len(wire) > 20_000, "the capture saw no traffic"  # the weights-free control chatter alone is more
+    needle = json.dumps(prompt, separators=(",", ":")).encode()  # as the Submit frame carries it
+    assert (needle in wire) is not tls
+    assert (b'"kind":"submit"' in wire) is not tls

@@ -132,7 +132,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
 def cmd_bench_cluster(args: argparse.Namespace) -> int:
     from shardline.bench.cluster import run
 
-    run(model=args.model, json_path=args.json)
+    run(model=args.model, json_path=args.json, tls=args.tls)
     return 0
 
 
@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     bcl = bsub.add_parser("cluster", help="join, master failover and node loss times on loopback daemons")
     bcl.add_argument("--model", default=None, help=MODEL_HELP)
     bcl.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bcl.add_argument(
+        "--tls", action="store_true", help="every link over TLS, and the node kill also on a plain cluster"
+    )
     bcl.set_defaults(func=cmd_bench_cluster)
     bs = bsub.add_parser(
         "serve", help="streaming clients over HTTP against the Python API, on a 2-node cluster"

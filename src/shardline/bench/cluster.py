@@ -8,6 +8,10 @@ One run, the default model, node ids chosen so the master is known: `a0` (master
 - survivor_reuse_speedup: that pause with every stage restarted over the pause with the surviving stage
   keeping its process and weights (two clusters, one after the other, in the same run);
 - requests_lost: requests that did not end with the fault-free tokens.
+
+With --tls every link (nodes, runners, the bench's client) runs over zenoh TLS with mutual authentication
+(a fresh cluster CA), and the node kill is also run on a plain cluster in the same run: tls_pause_ratio is
+the TLS pause over the plain one.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from shardline.cluster.client import ClusterClient
 from shardline.cluster.placement import PlacementRequest
 from shardline.models.registry import resolve_model
 from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster
+from shardline.trust import ca
 
 TOKENS = 64
 QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how the tides work, step by step."]
@@ -62,8 +67,12 @@ def _stream_with_fault(
     return tokens, (max(gaps)[1] - struck) if gaps else 0.0
 
 
-def _cluster(root: Path, model_dir: Path, reuse: bool) -> LocalCluster:
+def _cluster(root: Path, model_dir: Path, reuse: bool, tls: bool = False) -> LocalCluster:
     runners = dict(MODEL_RUNNERS)
+    tls_root = None
+    if tls:
+        tls_root = root / "tls"
+        ca.init(tls_root, ["a0", "b1", "b2", "b3"])
     return LocalCluster(
         root,
         ["a0", "b1", "b2"],
@@ -72,6 +81,7 @@ def _cluster(root: Path, model_dir: Path, reuse: bool) -> LocalCluster:
         extra=["--prefill-step", "128", "--compute-score", "50"],
         node_extra={"a0": ["--no-worker"]},
         runners={**runners, "reuse_survivors": reuse},
+        tls_root=tls_root,
     ).start()
 
 
@@ -104,14 +114,28 @@ def _node_kill(cluster: LocalCluster, client: ClusterClient, instance: str, prom
     return got, gap, kept
 
 
-def run(model: str | None, json_path: Path | None) -> dict:
+def _reuse_pause(root: Path, model_dir: Path, prompts: list[list[int]], tls: bool) -> tuple[float, bool, int]:
+    """The node loss with survivors reused (the default): the pause, whether the survivor kept its process,
+    and requests lost."""
+    cluster = _cluster(root, model_dir, reuse=True, tls=tls)
+    try:
+        client, instance, _, expected = _serving(cluster, model_dir, prompts)
+        cluster.add("b3")
+        client.wait(lambda v: sum(n.alive for n in v.nodes) == 4, 60, "b3")
+        got, pause, kept = _node_kill(cluster, client, instance, prompts[1])
+        return pause, kept, int(got != expected[1])
+    finally:
+        cluster.close()
+
+
+def run(model: str | None, json_path: Path | None, tls: bool = False) -> dict:
     model_dir = resolve_model(model, progress=True)
     prompts = _prompts(model_dir)
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-cluster-"))
-    results: dict = {"machine": describe(), "model": model_dir.name}
+    results: dict = {"machine": describe(), "model": model_dir.name, "tls": tls}
     lost = 0
     # Full restart of every stage after a node loss (survivors not reused): join, master kill, node kill.
-    cluster = _cluster(root / "restart", model_dir, reuse=False)
+    cluster = _cluster(root / "restart", model_dir, reuse=False, tls=tls)
     try:
         client, instance, request, expected = _serving(cluster, model_dir, prompts)
         started = time.monotonic()
@@ -144,16 +168,13 @@ def run(model: str | None, json_path: Path | None) -> dict:
         lost += got != expected[1]
     finally:
         cluster.close()
-    # The same node loss with survivors reused (the default).
-    cluster = _cluster(root / "reuse", model_dir, reuse=True)
-    try:
-        client, instance, _, expected = _serving(cluster, model_dir, prompts)
-        cluster.add("b3")
-        client.wait(lambda v: sum(n.alive for n in v.nodes) == 4, 60, "b3")
-        got, reuse_pause, kept = _node_kill(cluster, client, instance, prompts[1])
-        lost += got != expected[1]
-    finally:
-        cluster.close()
+    reuse_pause, kept, n_lost = _reuse_pause(root / "reuse", model_dir, prompts, tls)
+    lost += n_lost
+    if tls:  # the baseline: the same node loss on a plain cluster, in the same run
+        plain_pause, _, n_lost = _reuse_pause(root / "plain", model_dir, prompts, False)
+        lost += n_lost
+        results["node_kill_to_next_token_plain_s"] = round(plain_pause, 2)
+        results["tls_pause_ratio"] = round(reuse_pause / plain_pause, 2) if plain_pause else None
     results["node_kill_to_next_token_s"] = round(reuse_pause, 2)
     results["node_kill_to_next_token_full_restart_s"] = round(full_pause, 2)
     results["survivor_kept_its_process"] = kept
@@ -169,7 +190,10 @@ def run(model: str | None, json_path: Path | None) -> dict:
         f"\nbench cluster on {results['machine']['cpu']}, {results['machine']['cores']} cores",
         file=sys.stderr,
     )
-    for key, target in {**targets, "survivor_reuse_speedup": ">= 1.3", "requests_lost": "0"}.items():
+    more = {"survivor_reuse_speedup": ">= 1.3", "requests_lost": "0"}
+    if tls:
+        more["tls_pause_ratio"] = "<= 1.2"
+    for key, target in {**targets, **more}.items():
         print(f"  {key:28s} {results.get(key)!s:>8}   target {target}", file=sys.stderr)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -253,7 +253,7 @@ def cmd_cluster_init(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     print(f"cluster CA in {args.dir / 'ca'} (keep its ca.key on this machine); a TLS folder per node:")
     for f in folders:
-        print(f"  {f}: copy to that machine, then `shardline node --tls {f.name}-folder ...`")
+        print(f"  {f}  (copy it to {f.name}, then: shardline node --tls FOLDER ...)")
     return 0
 
 

@@ -131,7 +131,8 @@ def strategy_for(tp: Any, metadata: tuple[Any, ...] = ()) -> st.SearchStrategy[A
     if tp is float:
         return st.floats(allow_nan=False, allow_infinity=False, **_bounds(metadata))
     if tp is str:
-        return st.text(max_size=12)
+        pattern = next((p for m in metadata if isinstance(p := getattr(m, "pattern", None), str)), None)
+        return st.from_regex(pattern, fullmatch=True) if pattern else st.text(max_size=12)
     return st.from_type(tp)
 
 

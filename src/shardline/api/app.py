@@ -1,4 +1,5 @@
-"""The HTTP application of a node: every API's routes, one error convention per API, key, CORS, metrics."""
+"""The HTTP application of a node: every API's routes, one error convention per API, key, CORS, metrics;
+the body limit in front of them all."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardline
 from shardline.api import anthropic_api, cluster_api, dashboard, ollama_api, openai_api
+from shardline.api.body_limit import BodyLimit
 from shardline.api.errors import ApiError, body, flavor_of, headers
 from shardline.api.ollama_entrance import OllamaEntrance
 from shardline.api.service import Service
@@ -21,7 +23,6 @@ from shardline.api.streaming import ClientGone
 
 log = logging.getLogger("shardline.api")
 
-MAX_BODY_BYTES = 32 << 20
 OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe carries none
 
 
@@ -88,11 +89,12 @@ def build_app(service: Service) -> FastAPI:
         log.exception("internal error on %s", request.url.path)
         return _error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
+    # Innermost (added first), right around the routes: the key check below is a BaseHTTPMiddleware, whose
+    # receive runs in a task group, which would hand the routes the limit's 413 wrapped in an ExceptionGroup.
+    app.add_middleware(BodyLimit)
+
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return _error(request, ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes"))
         key = settings.api_key
         path = request.url.path
         open_path = path in OPEN_PATHS or dashboard.is_open(path)

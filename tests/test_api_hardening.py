@@ -1,0 +1,96 @@
+"""The HTTP entrance against hostile callers, over real HTTP to real nodes (in this process, serving no
+model): the body limit for chunked bodies.
+
+Two nodes serve the module, neither placing anything: `open_node` as a node runs by default (no key, on
+loopback), `keyed_node` with an API key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shardline.api.body_limit import MAX_BODY_BYTES
+from shardline.api.service import ApiSettings
+from shardline.cluster.node import Node, NodeConfig
+
+KEY = "sk-hardening-key"
+EVIL = "evil.example"
+MODEL = "no-such-model"  # the checks under test come before the model is looked up
+
+
+def _node(root: Path, name: str, settings: ApiSettings) -> Node:
+    config = NodeConfig(
+        namespace=f"hardening-{name}",
+        data_dir=root / name,
+        models_dir=root / "models",
+        worker=False,
+        compute_score=1.0,
+        api=settings,
+    )
+    return Node(config).start()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
+    root = tmp_path_factory.mktemp("hardening")
+    (root / "models").mkdir()
+    started: dict[str, Node] = {}
+    try:
+        started["open"] = _node(root, "open", ApiSettings(port=0))
+        started["keyed"] = _node(root, "keyed", ApiSettings(port=0, api_key=KEY))
+        yield started
+    finally:
+        for node in started.values():
+            node.close()
+
+
+@pytest.fixture(scope="module")
+def open_node(nodes: dict[str, Node]) -> str:
+    return nodes["open"].api.url
+
+
+@pytest.fixture(scope="module")
+def keyed_node(nodes: dict[str, Node]) -> str:
+    return nodes["keyed"].api.url
+
+
+def _port(url: str) -> str:
+    return url.rsplit(":", 1)[1]
+
+
+# ---- the body limit ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_chunked_body_past_the_limit_is_a_413_and_the_node_still_serves(open_node):
+    piece = b"x" * (1 << 20)
+
+    def body() -> Iterator[bytes]:  # a generator: httpx sends it chunked, with no Content-Length
+        for _ in range(MAX_BODY_BYTES // len(piece) + 2):
+            yield piece
+
+    r = httpx.post(
+        open_node + "/v1/chat/completions",
+        content=body(),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413, r.text[:200]
+    assert r.json()["error"]["message"] == f"the request body exceeds {MAX_BODY_BYTES} bytes"
+    r = httpx.post(open_node + "/v1/messages", content=body(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    assert httpx.get(open_node + "/v1/models", timeout=10).status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_a_declared_length_past_the_limit_is_still_a_413(open_node):
+    r = httpx.post(open_node + "/api/chat", content=b" " * (MAX_BODY_BYTES + 1), timeout=30)
+    assert r.request.headers["content-length"] == str(MAX_BODY_BYTES + 1)
+    assert r.status_code == 413 and r.json() == {"error": f"the request body exceeds {MAX_BODY_BYTES} bytes"}
+    assert httpx.get(open_node + "/api/version", timeout=10).status_code == 200

@@ -1,5 +1,5 @@
 """The HTTP entrance against hostile callers, over real HTTP to real nodes (in this process, serving no
-model): the body limit for chunked bodies.
+model): the body limit for chunked bodies, and 500s that say nothing of their cause.
 
 Two nodes serve the module, neither placing anything: `open_node` as a node runs by default (no key, on
 loopback), `keyed_node` with an API key.
@@ -7,10 +7,12 @@ loopback), `keyed_node` with an API key.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from shardline.api.body_limit import MAX_BODY_BYTES
@@ -94,3 +96,32 @@ def test_a_declared_length_past_the_limit_is_still_a_413(open_node):
     assert r.request.headers["content-length"] == str(MAX_BODY_BYTES + 1)
     assert r.status_code == 413 and r.json() == {"error": f"the request body exceeds {MAX_BODY_BYTES} bytes"}
     assert httpx.get(open_node + "/api/version", timeout=10).status_code == 200
+
+
+# ---- internal errors ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_500_says_internal_error_and_a_request_id_that_the_log_has_with_the_traceback(
+    nodes, open_node, caplog, monkeypatch
+):
+    secret = "/srv/secret/path token=abc123"
+
+    def broken() -> list[str]:
+        raise RuntimeError(secret)
+
+    monkeypatch.setattr(nodes["open"].api.service, "model_names", broken)
+    with caplog.at_level(logging.ERROR, logger="shardline.api"):
+        r = httpx.get(open_node + "/v1/models", timeout=10)
+        with pytest.raises(openai.InternalServerError) as raised:
+            openai.OpenAI(base_url=open_node + "/v1", api_key="-", max_retries=0, timeout=10).models.list()
+    assert r.status_code == 500
+    assert secret not in r.text and "RuntimeError" not in r.text
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and error["message"].startswith("internal error")
+    rid = r.headers["X-Request-Id"]
+    assert rid in error["message"]
+    assert secret not in str(raised.value)
+    logged = [rec for rec in caplog.records if rid in rec.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    assert secret in str(logged[0].exc_info[1])

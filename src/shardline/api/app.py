@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -86,8 +87,14 @@ def build_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return _error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        # The exception's text may hold paths, addresses, model internals: it goes to the log only, under an
+        # id the client is given to quote.
+        rid = uuid.uuid4().hex[:16]
+        log.error("internal error %s on %s %s", rid, request.method, request.url.path, exc_info=exc)
+        message = f"internal error (request id {rid}: the node's log has the details)"
+        response = _error(request, ApiError(500, message, "server_error"))
+        response.headers["X-Request-Id"] = rid
+        return response
 
     # Innermost (added first), right around the routes: the key check below is a BaseHTTPMiddleware, whose
     # receive runs in a task group, which would hand the routes the limit's 413 wrapped in an ExceptionGroup.

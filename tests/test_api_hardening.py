@@ -1,5 +1,6 @@
 """The HTTP entrance against hostile callers, over real HTTP to real nodes (in this process, serving no
-model): the body limit for chunked bodies, and 500s that say nothing of their cause.
+model): the body limit for chunked bodies, 500s that say nothing of their cause, and bounded stop sequences on
+every API.
 
 Two nodes serve the module, neither placing anything: `open_node` as a node runs by default (no key, on
 loopback), `keyed_node` with an API key.
@@ -10,13 +11,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 
 from shardline.api.body_limit import MAX_BODY_BYTES
 from shardline.api.service import ApiSettings
+from shardline.api.stops import MAX_STOP_CHARS, MAX_STOPS
 from shardline.cluster.node import Node, NodeConfig
 
 KEY = "sk-hardening-key"
@@ -125,3 +130,43 @@ def test_a_500_says_internal_error_and_a_request_id_that_the_log_has_with_the_tr
     logged = [rec for rec in caplog.records if rid in rec.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None
     assert secret in str(logged[0].exc_info[1])
+
+
+# ---- stop sequences ----------------------------------------------------------------------------------------
+
+TOO_MANY = [f"s{i}" for i in range(MAX_STOPS + 1)]
+TOO_LONG = ["x" * (MAX_STOP_CHARS + 1)]
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stops", [TOO_MANY, TOO_LONG], ids=["too-many", "too-long"])
+def test_stop_sequences_are_bounded_on_every_api_with_a_400_naming_the_parameter(open_node, stops):
+    oai = openai.OpenAI(base_url=open_node + "/v1", api_key="-", max_retries=0, timeout=10)
+    for call in (
+        lambda: oai.chat.completions.create(model=MODEL, messages=CHAT, stop=stops),
+        lambda: oai.completions.create(model=MODEL, prompt="Hi", stop=stops),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            call()
+        assert raised.value.body["param"] == "stop"
+    claude = anthropic.Anthropic(base_url=open_node, api_key="-", max_retries=0, timeout=10)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(model=MODEL, max_tokens=4, messages=CHAT, stop_sequences=stops)
+    assert "stop_sequences" in bad.value.body["error"]["message"]
+    olla = ollama.Client(host=open_node, timeout=10)
+    for call in (
+        lambda: olla.chat(model=MODEL, messages=CHAT, options={"stop": stops}),
+        lambda: olla.generate(model=MODEL, prompt="Hi", options={"stop": stops}),
+    ):
+        with pytest.raises(ollama.ResponseError) as refused:
+            call()
+        assert refused.value.status_code == 400 and "options.stop" in refused.value.error
+
+
+@pytest.mark.timeout(60)
+def test_stop_sequences_at_the_bounds_are_accepted(open_node):
+    stops = ["x" * MAX_STOP_CHARS] * MAX_STOPS
+    body: dict[str, Any] = {"model": MODEL, "messages": CHAT, "stop": stops}
+    r = httpx.post(open_node + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # past the stop check

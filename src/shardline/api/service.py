@@ -481,9 +481,10 @@ class Service:
         started = time.monotonic()
         try:
             rec, front, text = await self.target(model)
-            # Chat templates and tokenisation take long on long prompts: off the event loop, so other
-            # requests (and their streams) do not wait behind them.
-            ids = await asyncio.to_thread(prompt, text)
+            # Chat templates and tokenisation take long on long prompts, and building the stop strings'
+            # automaton takes milliseconds for the longest allowed: off the event loop, so other requests
+            # (and their streams) do not wait behind them.
+            ids, stream = await asyncio.to_thread(lambda: (prompt(text), TextStream(text.decode, stop)))
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             limit = _limit(ids, max_tokens, _context(rec, text), _prompt_param(endpoint))
@@ -505,7 +506,7 @@ class Service:
             model=rec.model,
             instance=rec.instance,
             handle=handle,
-            stream=TextStream(text.decode, stop),
+            stream=stream,
             text=text,
             prompt_tokens=len(ids),
             started=started,

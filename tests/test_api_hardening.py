@@ -1,9 +1,9 @@
 """The HTTP entrance against hostile callers, over real HTTP to real nodes (in this process, serving no
-model): the body limit for chunked bodies, 500s that say nothing of their cause, and bounded stop sequences on
-every API.
+model): the Host check (DNS rebinding), the body limit for chunked bodies, 500s that say nothing of their
+cause, and bounded stop sequences on every API.
 
 Two nodes serve the module, neither placing anything: `open_node` as a node runs by default (no key, on
-loopback), `keyed_node` with an API key.
+loopback), `keyed_node` with an API key and one extra allowed host name.
 """
 
 from __future__ import annotations
@@ -20,11 +20,15 @@ import openai
 import pytest
 
 from shardline.api.body_limit import MAX_BODY_BYTES
+from shardline.api.hosts import trusted_hosts
 from shardline.api.service import ApiSettings
 from shardline.api.stops import MAX_STOP_CHARS, MAX_STOPS
+from shardline.cli import build_parser
+from shardline.cluster.cli import api_settings
 from shardline.cluster.node import Node, NodeConfig
 
 KEY = "sk-hardening-key"
+ALIAS = "proxy.lan"
 EVIL = "evil.example"
 MODEL = "no-such-model"  # the checks under test come before the model is looked up
 
@@ -48,7 +52,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]
     started: dict[str, Node] = {}
     try:
         started["open"] = _node(root, "open", ApiSettings(port=0))
-        started["keyed"] = _node(root, "keyed", ApiSettings(port=0, api_key=KEY))
+        started["keyed"] = _node(root, "keyed", ApiSettings(port=0, api_key=KEY, allowed_hosts=[ALIAS]))
         yield started
     finally:
         for node in started.values():
@@ -67,6 +71,62 @@ def keyed_node(nodes: dict[str, Node]) -> str:
 
 def _port(url: str) -> str:
     return url.rsplit(":", 1)[1]
+
+
+# ---- the Host check ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_keyless_loopback_node_refuses_requests_addressed_to_a_foreign_host(open_node):
+    foreign = {"Host": f"{EVIL}:{_port(open_node)}"}  # what a rebound page's requests carry
+    calls = [
+        ("POST", "/instances", {"model": MODEL}),
+        ("DELETE", "/instances/some-instance", None),
+        ("GET", "/state", None),
+        ("GET", "/health", None),
+        ("GET", "/", None),
+        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+        ("POST", "/api/generate", {"model": MODEL, "prompt": "x"}),
+    ]
+    for method, path, body in calls:
+        r = httpx.request(method, open_node + path, json=body, headers=foreign, timeout=10)
+        assert r.status_code == 403, (path, r.status_code, r.text)
+        error = r.json()["error"]
+        message = error if isinstance(error, str) else error["message"]  # Ollama's shape, or OpenAI's
+        assert EVIL in message and "--allowed-host" in message
+    error = httpx.get(open_node + "/state", headers=foreign, timeout=10).json()["error"]
+    assert error["type"] == "permission_error" and error["param"] is None and error["code"] is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "[::1]", "LOCALHOST", "127.0.0.2"])
+def test_loopback_names_and_addresses_get_through_with_any_port(open_node, host):
+    for suffix in ("", ":1", f":{_port(open_node)}"):
+        r = httpx.get(open_node + "/state", headers={"Host": host + suffix}, timeout=10)
+        assert r.status_code == 200, (host + suffix, r.text)
+
+
+@pytest.mark.timeout(60)
+def test_allowed_host_names_get_through_and_turn_the_check_on_even_with_a_key(keyed_node):
+    def status(host: str) -> int:
+        headers = {"Authorization": f"Bearer {KEY}", "Host": host}
+        return httpx.get(keyed_node + "/state", headers=headers, timeout=10).status_code
+
+    assert status(f"{ALIAS}:80") == 200 and status(ALIAS.upper()) == 200 and status("localhost") == 200
+    assert status(EVIL) == 403
+
+
+@pytest.mark.timeout(30)
+def test_which_nodes_check_the_host_header():
+    assert trusted_hosts("127.0.0.1", None, []) == frozenset()  # loopback names only
+    assert trusted_hosts("::1", None, []) == frozenset()
+    assert trusted_hosts("localhost", None, ["Proxy.LAN:8080"]) == {"proxy.lan"}
+    assert trusted_hosts("127.0.0.1", KEY, []) is None  # a rebound page has no key
+    assert trusted_hosts("0.0.0.0", None, []) is None  # open to its network anyway
+    assert trusted_hosts("0.0.0.0", KEY, [ALIAS]) == {ALIAS}  # asked for
+    assert trusted_hosts("127.0.0.1", None, ["*"]) is None
+    args = build_parser().parse_args(["node", "--allowed-host", ALIAS, "--allowed-host", "b.lan"])
+    assert api_settings(args).allowed_hosts == [ALIAS, "b.lan"]
 
 
 # ---- the body limit ----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The HTTP application of a node: every API's routes, one error convention per API, key, CORS, metrics;
-the body limit in front of them all."""
+the Host check and the body limit in front of them all."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import shardline
 from shardline.api import anthropic_api, cluster_api, dashboard, ollama_api, openai_api
 from shardline.api.body_limit import BodyLimit
 from shardline.api.errors import ApiError, body, flavor_of, headers
+from shardline.api.hosts import HostCheck, trusted_hosts
 from shardline.api.ollama_entrance import OllamaEntrance
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
@@ -123,6 +124,9 @@ def build_app(service: Service) -> FastAPI:
             allow_headers=["*"],
             allow_credentials="*" not in settings.cors_origins,
         )
+    hosts = trusted_hosts(settings.host, settings.api_key, settings.allowed_hosts)
+    if hosts is not None:  # outermost: a request to a foreign name gets nothing else
+        app.add_middleware(HostCheck, allowed=hosts)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

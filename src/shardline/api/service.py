@@ -52,6 +52,9 @@ class ApiSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)  # 0: no HTTP API on this node
     api_key: str | None = None
     cors_origins: list[str] = []
+    # Host names requests may be addressed to besides loopback ones; a node without a key on loopback checks
+    # the Host header (see api.hosts), and any node given names here does.
+    allowed_hosts: list[str] = []
     auto_place: bool = True  # a request for a model with no instance places one when it fits
     max_pending: int = Field(64, ge=1)  # requests in flight through this node; one more gets 429
 

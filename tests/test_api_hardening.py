@@ -1,6 +1,6 @@
 """The HTTP entrance against hostile callers, over real HTTP to real nodes (in this process, serving no
 model): the Host check (DNS rebinding), the body limit for chunked bodies, 500s that say nothing of their
-cause, and bounded stop sequences on every API.
+cause, bounded stop sequences on every API, and /health's details only for who may see them.
 
 Two nodes serve the module, neither placing anything: `open_node` as a node runs by default (no key, on
 loopback), `keyed_node` with an API key and one extra allowed host name.
@@ -230,3 +230,40 @@ def test_stop_sequences_at_the_bounds_are_accepted(open_node):
     body: dict[str, Any] = {"model": MODEL, "messages": CHAT, "stop": stops}
     r = httpx.post(open_node + "/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # past the stop check
+
+
+# ---- /health -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_health_tells_the_cluster_only_to_callers_with_the_key(keyed_node):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+        r = httpx.get(keyed_node + "/health", headers=headers, timeout=10)
+        assert r.status_code == 200 and r.json() == {"ok": True}, r.text
+    for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
+        detail = httpx.get(keyed_node + "/health", headers=headers, timeout=10).json()
+        assert detail["ok"] is True and {"node", "master", "term", "pending"} <= detail.keys()
+        assert detail["pending"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_health_on_a_keyless_node_tells_the_cluster_to_callers_on_this_machine(open_node):
+    detail = httpx.get(open_node + "/health", timeout=10).json()
+    assert {"node", "master", "term", "pending"} <= detail.keys() and detail["pending"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_health_on_a_keyless_node_tells_callers_from_elsewhere_only_the_status():
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from shardline.api.cluster_api import may_see_cluster
+
+    def caller(address: str) -> Request:
+        scope = {"type": "http", "method": "GET", "path": "/health", "headers": [], "client": (address, 1)}
+        return Request(scope)
+
+    keyless: Any = SimpleNamespace(settings=ApiSettings(host="0.0.0.0"))
+    assert may_see_cluster(keyless, caller("127.0.0.1")) and may_see_cluster(keyless, caller("::1"))
+    assert not may_see_cluster(keyless, caller("192.0.2.7"))

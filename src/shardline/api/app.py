@@ -3,7 +3,6 @@ the Host check and the body limit in front of them all."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import uuid
 from typing import Any
@@ -19,6 +18,7 @@ from shardline.api import anthropic_api, cluster_api, dashboard, ollama_api, ope
 from shardline.api.body_limit import BodyLimit
 from shardline.api.errors import ApiError, body, flavor_of, headers
 from shardline.api.hosts import HostCheck, trusted_hosts
+from shardline.api.keys import carries_key
 from shardline.api.ollama_entrance import OllamaEntrance
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
@@ -107,7 +107,7 @@ def build_app(service: Service) -> FastAPI:
         path = request.url.path
         open_path = path in OPEN_PATHS or dashboard.is_open(path)
         if key and request.method != "OPTIONS" and not open_path:  # noqa: SIM102
-            if not _authorised(request, key):
+            if not carries_key(request, key):
                 denied = ApiError(
                     401, "a valid API key is required", "authentication_error", code="invalid_api_key"
                 )
@@ -129,14 +129,6 @@ def build_app(service: Service) -> FastAPI:
         app.add_middleware(HostCheck, allowed=hosts)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
-
-
-def _authorised(request: Request, key: str) -> bool:
-    given = request.headers.get("x-api-key") or ""
-    auth = request.headers.get("authorization") or ""
-    if auth[:7].lower() == "bearer ":
-        given = auth[7:].strip()
-    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

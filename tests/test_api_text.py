@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardline.api.stops import MAX_STOP_CHARS, MAX_STOPS
 from shardline.api.text import Detokenizer, StopMatcher, TextStream
 
 
@@ -67,3 +71,64 @@ def test_streamed_text_is_the_whole_text_cut_at_the_first_stop(tokenizer, text, 
     expected = whole[: whole.find(stop)] if stop in whole else whole
     assert "".join(chunks) == expected
     assert all("\ufffd" not in c for c in chunks)
+
+
+class NaiveStops:
+    """The stop rule written plainly (the matcher before its automaton): the stop string starting first wins
+    (of two starting together, the shorter); the longest tail that is a proper prefix of one is held."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.pending = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        if self.matched is not None:
+            return ""
+        self.pending += text
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            at, self.matched = min(hits)
+            out, self.pending = self.pending[:at], ""
+            return out
+        hold = max((k for s in self.stops for k in range(len(s)) if self.pending.endswith(s[:k])), default=0)
+        out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.matched is not None else self.pending), ""
+        return out
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=400, deadline=None)
+@given(
+    stops=st.lists(st.text(alphabet="ab", min_size=0, max_size=6), min_size=0, max_size=5),
+    pieces=st.lists(st.text(alphabet="abc", max_size=7), max_size=12),
+)
+def test_stop_matcher_sends_and_holds_exactly_what_the_plain_rule_does(stops, pieces):
+    fast, plain = StopMatcher(stops), NaiveStops(stops)
+    for piece in pieces:
+        assert fast.feed(piece) == plain.feed(piece), (stops, pieces)
+        assert fast.matched == plain.matched
+    assert fast.flush() == plain.flush()
+
+
+@pytest.mark.timeout(60)
+def test_stop_matching_costs_the_same_per_token_for_the_longest_allowed_stop_strings():
+    # The worst case of the plain rule: a long held tail that every other stop string must be tried against
+    # at each of its lengths. The automaton's cost per character does not depend on the stop strings.
+    n, long = MAX_STOPS, MAX_STOP_CHARS
+    stops = ["c" + "a" * (long - 2) + chr(ord("d") + i) for i in range(n - 1)] + ["a" * (long - 1) + "b"]
+
+    def cost(matcher: StopMatcher | NaiveStops) -> float:
+        for _ in range(long):  # hold the longest tail
+            matcher.feed("aaaa")
+        start = time.perf_counter()
+        for _ in range(200):
+            matcher.feed("aaaa")
+        return time.perf_counter() - start
+
+    one = cost(StopMatcher(["x"]))
+    worst = cost(StopMatcher(stops))
+    assert worst < 20 * one + 0.005, (worst, one)  # the plain rule here is hundreds of times the cost

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import bad_request, error_responses, unsupported
 from shardline.api.service import ActiveRequest, Outcome, Service
+from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 
@@ -93,7 +94,7 @@ def router(service: Service) -> APIRouter:
     async def messages(req: MessagesRequest, request: Request) -> Any:
         if req.tools:
             raise unsupported("tools", "tools (tool use)")
-        stops = list(req.stop_sequences or [])
+        stops = checked_stops(req.stop_sequences or [], "stop_sequences")
         if any(not s for s in stops):
             raise bad_request("a stop sequence must not be empty", "stop_sequences")
         chat: list[dict[str, str]] = []

@@ -1,9 +1,10 @@
-"""The HTTP application of a node: every API's routes, one error convention per API, key, CORS, metrics."""
+"""The HTTP application of a node: every API's routes, one error convention per API, key, CORS, metrics;
+the Host check and the body limit in front of them all."""
 
 from __future__ import annotations
 
-import hmac
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,14 +15,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardline
 from shardline.api import anthropic_api, cluster_api, dashboard, ollama_api, openai_api
+from shardline.api.body_limit import BodyLimit
 from shardline.api.errors import ApiError, body, flavor_of, headers
+from shardline.api.hosts import HostCheck, trusted_hosts
+from shardline.api.keys import carries_key
 from shardline.api.ollama_entrance import OllamaEntrance
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
 
 log = logging.getLogger("shardline.api")
 
-MAX_BODY_BYTES = 32 << 20
 OPEN_PATHS = ("/health",)  # answered without the API key: a load balancer's probe carries none
 
 
@@ -85,19 +88,26 @@ def build_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return _error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+        # The exception's text may hold paths, addresses, model internals: it goes to the log only, under an
+        # id the client is given to quote.
+        rid = uuid.uuid4().hex[:16]
+        log.error("internal error %s on %s %s", rid, request.method, request.url.path, exc_info=exc)
+        message = f"internal error (request id {rid}: the node's log has the details)"
+        response = _error(request, ApiError(500, message, "server_error"))
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    # Innermost (added first), right around the routes: the key check below is a BaseHTTPMiddleware, whose
+    # receive runs in a task group, which would hand the routes the limit's 413 wrapped in an ExceptionGroup.
+    app.add_middleware(BodyLimit)
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return _error(request, ApiError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes"))
         key = settings.api_key
         path = request.url.path
         open_path = path in OPEN_PATHS or dashboard.is_open(path)
         if key and request.method != "OPTIONS" and not open_path:  # noqa: SIM102
-            if not _authorised(request, key):
+            if not carries_key(request, key):
                 denied = ApiError(
                     401, "a valid API key is required", "authentication_error", code="invalid_api_key"
                 )
@@ -114,16 +124,11 @@ def build_app(service: Service) -> FastAPI:
             allow_headers=["*"],
             allow_credentials="*" not in settings.cors_origins,
         )
+    hosts = trusted_hosts(settings.host, settings.api_key, settings.allowed_hosts)
+    if hosts is not None:  # outermost: a request to a foreign name gets nothing else
+        app.add_middleware(HostCheck, allowed=hosts)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
-
-
-def _authorised(request: Request, key: str) -> bool:
-    given = request.headers.get("x-api-key") or ""
-    auth = request.headers.get("authorization") or ""
-    if auth[:7].lower() == "bearer ":
-        given = auth[7:].strip()
-    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -6,11 +6,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from shardline.api.errors import ApiError, error_responses
+from shardline.api.hosts import is_loopback
+from shardline.api.keys import carries_key
 from shardline.api.live import LivePoint, recent_ttft
 from shardline.api.service import Service
 from shardline.api.streaming import STREAMED_SSE, sse
@@ -24,10 +26,12 @@ KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an id
 
 class Health(BaseModel):
     ok: bool
-    node: str
-    master: str | None
-    term: int
-    pending: int  # HTTP requests this node admitted and has not ended (max_pending of them: 429)
+    # The rest is the cluster as this node sees it: only for a caller with the API key, or, on a node without
+    # one, a caller on this machine. A probe needs only the status.
+    node: str | None = None
+    master: str | None = None
+    term: int | None = None
+    pending: int | None = None  # HTTP requests this node admitted and has not ended (max_pending: 429)
 
 
 class Live(BaseModel):
@@ -116,8 +120,12 @@ def router(service: Service) -> APIRouter:
     r = APIRouter(tags=["Cluster"])
     auth = error_responses("openai", 401)
 
-    @r.get("/health", response_model=Health)
-    async def health() -> Health:
+    @r.get("/health", response_model=Health, response_model_exclude_unset=True)
+    async def health(request: Request) -> Health:
+        """Liveness: `{"ok": true}`; with the API key (or from this machine, on a node without one) also the
+        node's id, the master and term it follows and its pending requests."""
+        if not may_see_cluster(service, request):
+            return Health(ok=True)
         view = service.view()
         return Health(
             ok=True,
@@ -190,6 +198,13 @@ def router(service: Service) -> APIRouter:
         )
 
     return r
+
+
+def may_see_cluster(service: Service, request: Request) -> bool:
+    key = service.settings.api_key
+    if key:
+        return carries_key(request, key)
+    return request.client is not None and is_loopback(request.client.host)
 
 
 def _known(service: Service, model: str) -> None:

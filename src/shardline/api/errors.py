@@ -117,7 +117,7 @@ def error_responses(flavor: Flavor, *statuses: int) -> dict[int | str, dict[str,
 _DESCRIPTIONS = {
     400: "the request is malformed, has wrong types or values, or asks for something unsupported",
     401: "an API key is required and was missing or wrong",
-    403: "the request came from a web page of another origin (an Origin header not allowed)",
+    403: "from a web page of another origin (an Origin header not allowed), or to a host name not allowed",
     404: "no such model, instance or route",
     405: "method not allowed",
     413: "the request body is too large",

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import shardline
 from shardline.api.errors import ApiError, error_responses, unsupported
 from shardline.api.service import ActiveRequest, Outcome, Service
+from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 
@@ -167,7 +168,7 @@ def _sampling(o: Options | None) -> tuple[SamplingParams, int | None, list[str]]
     limit = None if o.num_predict is None or o.num_predict < 0 else o.num_predict
     if limit == 0:
         raise ApiError(400, "num_predict must not be 0", param="num_predict")
-    stops = [s for s in (o.stop or []) if s]
+    stops = [s for s in checked_stops(o.stop or [], "options.stop") if s]  # Ollama ignores empty ones
     return SamplingParams(**fields), limit, stops
 
 

@@ -8,26 +8,13 @@ is neither this server nor localhost, nor allowed with --cors-origin) is refused
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 from urllib.parse import urlsplit
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from shardline.api.asgi import ASGIApp, Receive, Scope, Send, header, send_error
+from shardline.api.errors import ApiError
 
 PREFIX = "/api/"
 LOOPBACK = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}  # what Ollama allows by default
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -62,32 +49,21 @@ class OllamaEntrance:
         if scope["type"] != "http" or not scope.get("path", "").startswith(PREFIX):
             await self.app(scope, receive, send)
             return
-        origin = _header(scope, b"origin")
-        foreign = origin is not None and not origin_allowed(origin, _header(scope, b"host"), self.allowed)
+        origin = header(scope, b"origin")
+        foreign = origin is not None and not origin_allowed(origin, header(scope, b"host"), self.allowed)
         if foreign and scope.get("method") != "OPTIONS":  # a preflight sends nothing to a route
-            await _forbidden(send, str(origin))
+            await _forbidden(scope, send, str(origin))
             return
-        if scope.get("method") == "POST" and not _is_json(_header(scope, b"content-type")):
+        if scope.get("method") == "POST" and not _is_json(header(scope, b"content-type")):
             # Read as JSON, as Ollama does: the route's body parser decides by this header.
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
 
 
-async def _forbidden(send: Send, origin: str) -> None:
+async def _forbidden(scope: Scope, send: Send, origin: str) -> None:
     message = (
         f"requests from the web page at origin {origin!r} are refused: allow it with --cors-origin on the "
         "node, or call this API from a program (no Origin header)"
     )
-    payload = json.dumps({"error": message}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 403,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
+    await send_error(scope, send, ApiError(403, message, "permission_error"))

@@ -11,11 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
 from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
+from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
 
-MAX_STOPS = 16
 ERRORS = error_responses("openai", 400, 401, 404, 429, 503)
 
 
@@ -148,9 +148,7 @@ class ModelList(BaseModel):
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOPS:
-        raise bad_request(f"at most {MAX_STOPS} stop sequences", "stop")
+    stops = checked_stops([stop] if isinstance(stop, str) else list(stop or []), "stop")
     if any(not s for s in stops):
         raise bad_request("a stop sequence must not be empty", "stop")
     return stops

@@ -52,6 +52,9 @@ class ApiSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)  # 0: no HTTP API on this node
     api_key: str | None = None
     cors_origins: list[str] = []
+    # Host names requests may be addressed to besides loopback ones; a node without a key on loopback checks
+    # the Host header (see api.hosts), and any node given names here does.
+    allowed_hosts: list[str] = []
     auto_place: bool = True  # a request for a model with no instance places one when it fits
     max_pending: int = Field(64, ge=1)  # requests in flight through this node; one more gets 429
 
@@ -481,9 +484,10 @@ class Service:
         started = time.monotonic()
         try:
             rec, front, text = await self.target(model)
-            # Chat templates and tokenisation take long on long prompts: off the event loop, so other
-            # requests (and their streams) do not wait behind them.
-            ids = await asyncio.to_thread(prompt, text)
+            # Chat templates and tokenisation take long on long prompts, and building the stop strings'
+            # automaton takes milliseconds for the longest allowed: off the event loop, so other requests
+            # (and their streams) do not wait behind them.
+            ids, stream = await asyncio.to_thread(lambda: (prompt(text), TextStream(text.decode, stop)))
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             limit = _limit(ids, max_tokens, _context(rec, text), _prompt_param(endpoint))
@@ -505,7 +509,7 @@ class Service:
             model=rec.model,
             instance=rec.instance,
             handle=handle,
-            stream=TextStream(text.decode, stop),
+            stream=stream,
             text=text,
             prompt_tokens=len(ids),
             started=started,

@@ -4,13 +4,16 @@ Two small pieces, both pure over what they were fed:
 - `Detokenizer` decodes incrementally and holds back a trailing partial UTF-8 character (a byte-level token
   may carry half of one), so a streamed answer joins to exactly the text of the non-streamed one.
 - `StopMatcher` holds back the longest tail that could still begin a stop string, so a stop string spread
-  over several tokens is found and never sent.
+  over several tokens is found and never sent. It costs O(new text) per token (see api.stops), so it runs
+  on the event loop with the rest of a stream's work.
 `TextStream` chains them: feed a token, get the text that is safe to send now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from shardline.api.stops import StopAutomaton
 
 REPLACEMENT = "\ufffd"
 
@@ -45,37 +48,42 @@ class Detokenizer:
 class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in dict.fromkeys(stops) if s]
+        self._automaton = StopAutomaton(self.stops)
+        self._state = 0  # the automaton's state: its depth is the length of the pending text
         self._pending = ""
         self.matched: str | None = None
 
     def feed(self, text: str) -> str:
-        """What of the text so far can be sent: the part before a stop string, or that cannot start one."""
+        """What of the text so far can be sent: the part before a stop string, or that cannot start one.
+
+        The stop string found is the one that starts first (of two starting together, the shorter), among
+        those that end in this text: the pending text held back before it contains none."""
         if self.matched is not None:
             return ""
+        automaton, state = self._automaton, self._state
+        base = len(self._pending)
         self._pending += text
-        hits = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
-        if hits:
-            at, self.matched = min(hits)
+        hit: tuple[int, int] | None = None  # (start, end) in the pending text
+        for end, ch in enumerate(text, base + 1):
+            state = automaton.step(state, ch)
+            n = automaton.longest[state]
+            if n and (hit is None or end - n < hit[0]):
+                hit = (end - n, end)
+        if hit is not None:
+            at, stop_end = hit
+            self.matched = self._pending[at:stop_end]
             out, self._pending = self._pending[:at], ""
             return out
-        hold = self._held_tail()
+        self._state = state
+        hold = automaton.depth[state]  # the longest tail that could still begin a stop string
         out = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(out) :]
         return out
 
     def flush(self) -> str:
         out, self._pending = ("" if self.matched is not None else self._pending), ""
+        self._state = 0
         return out
-
-    def _held_tail(self) -> int:
-        """Length of the longest tail of the pending text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self._pending)), best, -1):
-                if self._pending.endswith(s[:k]):
-                    best = k
-                    break
-        return best
 
 
 class TextStream:

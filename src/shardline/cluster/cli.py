@@ -119,6 +119,7 @@ def api_settings(args: argparse.Namespace) -> Any:
         port=args.api_port,
         api_key=args.api_key or os.environ.get("SHARDLINE_API_KEY") or None,
         cors_origins=args.cors_origin or [],
+        allowed_hosts=args.allowed_host or [],
         auto_place=not args.no_auto_place,
         max_pending=args.max_pending,
     )
@@ -366,6 +367,12 @@ def add_commands(sub: Any) -> None:
     )
     node.add_argument(
         "--cors-origin", action="append", help="allow browsers from this origin (repeatable; *: any)"
+    )
+    node.add_argument(
+        "--allowed-host",
+        action="append",
+        help="answer requests addressed to this host name too (repeatable; *: any); without --api-key on "
+        "loopback, only localhost names are answered",
     )
     node.add_argument("--no-auto-place", action="store_true", help="never place a model a request names")
     node.add_argument("--max-pending", type=int, default=64, help="HTTP requests in flight before 429")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardline.api.stops import MAX_STOP_CHARS, MAX_STOPS
-from shardline.api.text import Detokenizer, StopMatcher, TextStream
+from shardline.api.text import MAX_HELD, Detokenizer, StopMatcher, TextStream
 
 
 def decode_with(tokenizer):
@@ -132,3 +132,19 @@ def test_stop_matching_costs_the_same_per_token_for_the_longest_allowed_stop_str
     one = cost(StopMatcher(["x"]))
     worst = cost(StopMatcher(stops))
     assert worst < 20 * one + 0.005, (worst, one)  # the plain rule here is hundreds of times the cost
+
+
+@pytest.mark.timeout(10)
+def test_a_stream_of_invalid_bytes_is_settled_and_the_window_stays_bounded():
+    """Every token an invalid byte (decodes to U+FFFD): the text still comes out, a few tokens late, and each
+    token decodes a bounded window instead of everything since the last text sent."""
+    decoded: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return "\ufffd" * len(ids)
+
+    d = Detokenizer(decode)
+    out = "".join(d.feed(7) for _ in range(1000)) + d.flush()
+    assert out == "\ufffd" * 1000
+    assert max(decoded) <= 2 * MAX_HELD

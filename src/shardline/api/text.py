@@ -18,6 +18,9 @@ from shardline.api.stops import StopAutomaton
 REPLACEMENT = "\ufffd"
 
 
+MAX_HELD = 8  # tokens a detokenizer holds back at most
+
+
 class Detokenizer:
     """Incremental decode over a sliding window: decode(ids[prefix:]) less decode(ids[prefix:read]) is the
     new text, emitted only once it no longer ends inside a character."""
@@ -32,10 +35,13 @@ class Detokenizer:
         self.ids.append(token)
         before = self._decode(self.ids[self._prefix : self._read])
         now = self._decode(self.ids[self._prefix :])
-        if len(now) <= len(before) or now.endswith(REPLACEMENT):
+        # A character is at most 4 bytes: past MAX_HELD tokens held, the text is settled as it decodes
+        # (U+FFFD for invalid bytes), so a model emitting garbage bytes cannot grow the window without end.
+        settle = len(self.ids) - self._read >= MAX_HELD
+        if not settle and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
             return ""  # nothing new, or a character still incomplete: wait for its next bytes
         self._prefix, self._read = self._read, len(self.ids)
-        return now[len(before) :]
+        return now[len(before) :] if len(now) > len(before) else ""
 
     def flush(self) -> str:
         """At the end: whatever is held back (an invalid byte sequence decodes to U+FFFD, as it should)."""

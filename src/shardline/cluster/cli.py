@@ -42,12 +42,13 @@ def _wait_for_signal() -> int:
 
 
 def credentials(args: argparse.Namespace) -> Any:
-    """The key (--cluster-key-file, else $SHARDLINE_CLUSTER_KEY) and TLS folder (--tls, else
-    $SHARDLINE_TLS_DIR) this command joins the cluster with."""
+    """The key (--cluster-key-file, else $SHARDLINE_CLUSTER_KEY) and TLS folder (--tls DIR, else
+    $SHARDLINE_TLS_DIR) this command joins the cluster with (`up --tls` is a switch: it makes its own)."""
     from shardline.trust.credentials import CredentialsError, resolve
 
+    tls = getattr(args, "tls", None)
     try:
-        return resolve(getattr(args, "cluster_key_file", None), getattr(args, "tls", None))
+        return resolve(getattr(args, "cluster_key_file", None), tls if isinstance(tls, Path) else None)
     except CredentialsError as exc:
         raise CliError(str(exc)) from exc
 

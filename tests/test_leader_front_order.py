@@ -6,6 +6,7 @@ Submit (every point the heartbeat thread could interleave), and checks what the 
 from __future__ import annotations
 
 import ast
+import itertools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,5 +163,55 @@ def test_a_cancel_racing_a_submit_never_precedes_it_on_the_control_channel(monke
         assert victim in ([], ["Cancel"], ["Submit", "Cancel"]), kinds
     finally:
         front.close()
+        control.close()
+        session.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_fault_still_seen_is_reported_again_until_a_new_generation_serves(monkeypatch: Any) -> None:
+    """A fault report is a publication: one sent while no master listens (a master change, a link just back)
+    is lost, and the request it is about would wait forever. So the front repeats it while it sees it."""
+    import time
+
+    from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, open_session
+    from shardline.front import front as front_module
+    from shardline.front.front import Front, ModelLimits
+
+    monkeypatch.setattr(front_module, "REPORT_AGAIN_S", 0.2)
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    keys = Keys(f"refault-{id(session)}")
+    control = Inbox(session, 1, name="leader")
+    control.subscribe(keys.at(1).control, m.CONTROL, "control")
+    reports = Inbox(session, name="master")
+    reports.subscribe(keys.reports, m.STATUS, "reports")
+    events = Outbox(session, keys.at(1).events, 1)
+    front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
+    try:
+        front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+        assert front.serving.wait(10)
+        events.wait_matched(10)
+        front.submit([1, 2, 3], max_tokens=4, request_id="r1")
+        submit = control.get(timeout=10).message
+        assert isinstance(submit, m.Submit)
+        # The leader handled the Submit, and its end never reached this front: beats list no request.
+        beat = m.LeaderBeat(seen={"f1": submit.seq}, requests=[])
+        faults: list[float] = []
+        deadline = time.monotonic() + 10
+        while len(faults) < 3:
+            assert time.monotonic() < deadline, f"{len(faults)} fault reports within 10 s"
+            events.send(beat)
+            try:
+                got = reports.get(timeout=0.05).message
+            except DeadlineExceeded:  # no report yet: beat again (the leader beats on a period)
+                continue
+            if isinstance(got, m.GenerationFault):
+                assert got.generation == 1 and "no longer holds r1" in got.why
+                faults.append(time.monotonic())
+        # Repeated, but not on every beat: at most once per REPORT_AGAIN_S.
+        assert all(b - a >= 0.15 for a, b in itertools.pairwise(faults)), faults
+    finally:
+        front.close()
+        events.close()
+        reports.close()
         control.close()
         session.close()

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from shardline.testing.netns import NetLab, cleanup_stale, list_netns, netns_available
+from shardline.testing.netns import NETNS_DIR, NetLab, cleanup_stale, list_netns, netns_available, open_lab
 
 pytestmark = pytest.mark.skipif(netns_available() is not None, reason=f"netns: {netns_available()}")
 
@@ -371,3 +371,56 @@ def test_leak_monitor_sees_root_namespace_traffic() -> None:
             with socket.create_server(("127.0.0.1", 0)) as srv:
                 socket.create_connection(srv.getsockname(), timeout=1).close()
     assert any("127.0.0.1 -> 127.0.0.1" in leak for leak in monitor.leaks), monitor.leaks[:5]
+
+
+def netns_of_this_thread() -> int:
+    return os.stat("/proc/thread-self/ns/net").st_ino
+
+
+def bind(address: str) -> None:
+    """Binds only where the address exists: in its own host's namespace (sends nothing)."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+
+
+@pytest.mark.timeout(60)
+def test_inside_moves_this_thread_and_the_threads_it_starts_then_brings_it_back() -> None:
+    mine = netns_of_this_thread()
+    with open_lab("slinside", 2) as lab:
+        host = lab.hosts[0]
+        want = os.stat(NETNS_DIR / host.name).st_ino
+        with pytest.raises(OSError):
+            bind(host.address)
+        born: list[int] = []
+        with lab.inside(host):
+            assert netns_of_this_thread() == want
+            bind(host.address)
+            t = threading.Thread(target=lambda: born.append(netns_of_this_thread()))
+            t.start()
+            t.join(10)
+            with open_lab("slinside", 1) as second:  # the name is in use: the next free one
+                assert second.name_prefix == "slinside2"
+        assert born == [want]
+        assert netns_of_this_thread() == mine
+        with pytest.raises(OSError):
+            bind(host.address)
+
+
+CLOSED_FROM_INSIDE = r"""
+import sys
+from shardline.testing.netns import NetLab
+lab = NetLab(sys.argv[1], 1)
+with lab.inside(0):
+    lab.close()  # its sweep of the namespaces finds this process in it: never signalled
+print("ALIVE", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_lab_closed_from_inside_one_of_its_hosts_spares_its_owner() -> None:
+    cleanup_stale("slowner")
+    run = subprocess.run(
+        [PY, "-c", CLOSED_FROM_INSIDE, "slowner"], capture_output=True, text=True, timeout=50
+    )
+    assert run.returncode == 0 and "ALIVE" in run.stdout, run.stderr[-2000:]
+    assert not [n for n in list_netns() if n.startswith("slowner-")]

@@ -153,7 +153,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from shardline.bench.soak import run
+    from shardline.bench.soak import fault_kinds, run, use_netns
 
     minutes = args.seconds / 60 if args.seconds is not None else args.minutes
     if not minutes > 0:
@@ -165,6 +165,12 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     model = None if args.model in (None, "default") else args.model
     if args.fault_interval is not None and not args.fault_interval > 0:
         raise CliError("--fault-interval must be > 0")
+    try:
+        netns = use_netns(args.netns)
+        kinds = [k.strip() for k in args.faults.split(",") if k.strip()] if args.faults is not None else None
+        faults = fault_kinds(kinds, netns)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
     run(
         minutes,
         args.nodes,
@@ -174,6 +180,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
         args.seed,
         args.max_tokens,
         args.fault_interval,
+        netns,
+        faults,
     )
     return 0
 
@@ -270,6 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
     bso.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: the bench's)")
     bso.add_argument(
         "--fault-interval", type=float, default=None, help="mean seconds between faults (default 60)"
+    )
+    bso.add_argument(
+        "--netns",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each node in its own network namespace, clients in another, with link flaps "
+        "(default: on where namespaces work, i.e. as root)",
+    )
+    bso.add_argument(
+        "--faults",
+        default=None,
+        help="fault kinds to draw from, comma-separated: node_kill, node_stop, runner_stop, link_flap "
+        "(needs --netns) (default: all)",
     )
     bso.set_defaults(func=cmd_bench_soak)
     return parser

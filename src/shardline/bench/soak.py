@@ -1,10 +1,16 @@
 """`shardline bench soak`: minutes of HTTP load near capacity through every node of a local cluster, chaos.
 
-A local N-node cluster (loopback endpoints, multicast scouting off: nothing on real interfaces) places the
-model, then K client threads send chat completions (streamed and whole, temperature 0 and a fixed seed) with
-the official `openai` client to every node's HTTP port in turn, for the whole run. Meanwhile, at random
-(seeded) intervals: a node is SIGKILLed and restarted, a node or a runner is SIGSTOPped for a bounded pause
-and SIGCONTed, and raw httpx clients hang up before the first byte or after a few bytes.
+A local N-node cluster places the model, then K client threads send chat completions (streamed and whole,
+temperature 0 and a fixed seed) with the official `openai` client to every node's HTTP port in turn, for the
+whole run. Meanwhile, at random (seeded) intervals: a node is SIGKILLed and restarted, a node or a runner is
+SIGSTOPped for a bounded pause and SIGCONTed, and raw httpx clients hang up before the first byte or after a
+few bytes.
+
+Nothing goes on the machine's real interfaces. Without network namespaces the nodes use loopback endpoints
+with multicast scouting off. With them (`--netns`, the default as root), each node runs in its own host of a
+`NetLab` and the clients in one more: every thread of the soak that speaks HTTP to the nodes runs inside the
+client host's namespace (`NetLab.inside`), since from the root namespace the lab's addresses would be routed
+out of the machine. A further fault then unplugs a node's cable for a few seconds (`link_flap`).
 
 What counts:
 - every greedy answer must equal the first clean answer to the same prompt (taken before the chaos starts);
@@ -18,6 +24,7 @@ What counts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -32,6 +39,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +48,8 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 
-from shardline.testing.cluster import FAST_RUNNERS, MODEL_RUNNERS, LocalCluster, NodeProc
+from shardline.testing.cluster import FAST_RUNNERS, MODEL_RUNNERS, LabCluster, LocalCluster, NodeProc
+from shardline.testing.netns import NETNS_DIR, Host, NetLab, netns_available, open_lab
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -56,6 +65,10 @@ MARKER = "SHARDLINE_SOAK_RUN"  # in every node's (so every runner's) environment
 ORPHAN_GRACE_S = 10.0  # a runner may outlive its node this long (it notices and exits) before it is an orphan
 FAULT_INTERVAL_S = 60.0  # mean seconds between node kills and stops (shorter runs: a sixth of the run)
 RESTART_EXCLUDE_S = 60.0  # RSS samples this soon after a node (re)started are not compared
+FAULT_KINDS = ("node_kill", "node_stop", "runner_stop")
+NETNS_FAULT_KINDS = (*FAULT_KINDS, "link_flap")  # a cable to pull needs a lab
+LINK_DOWN_S = (1.0, 6.0)  # a link flap keeps the cable out this long (seeded, uniform)
+LAB_NAME = "slsoak"  # the lab's namespaces: slsoak-br, slsoak-0.. (slsoak2-.. while another soak runs)
 TARGETS = {
     "requests_lost": "== 0",
     "http_5xx": "== 0",
@@ -80,6 +93,7 @@ class Counts:
     disconnects: int = 0
     kills: int = 0
     stops: int = 0
+    link_flaps: int = 0
     ttft: list[float] = field(default_factory=list)
     lost_examples: list[str] = field(default_factory=list)
     http_5xx_examples: list[str] = field(default_factory=list)
@@ -161,6 +175,9 @@ class Soak:
         deadline_s: float,
         recover_s: float,
         fault_interval_s: float,
+        fault_kinds: tuple[str, ...] = FAULT_KINDS,
+        lab: NetLab | None = None,
+        client_host: Host | None = None,
     ) -> None:
         self.cluster = cluster
         self.model = model
@@ -171,6 +188,11 @@ class Soak:
         self.deadline_s = deadline_s
         self.recover_s = recover_s
         self.fault_interval_s = fault_interval_s
+        self.fault_kinds = fault_kinds
+        self.lab = lab
+        self.client_host = client_host
+        # The client host's namespace (its nsfs inode), where every HTTP request to the nodes must start.
+        self.client_ns = os.stat(NETNS_DIR / client_host.name).st_ino if client_host else None
         self.ids = list(cluster.nodes)
         self.c = Counts()
         self.stop = threading.Event()  # Ctrl-C or the end of the run: every thread returns soon after
@@ -191,8 +213,22 @@ class Soak:
     # ---- the cluster -------------------------------------------------------------------------------------
 
     def api(self, node_id: str) -> str:
+        """The node's HTTP base URL; every request to a node asks for it first, so it checks where from."""
+        self._check_netns()
         with self.api_lock:
             return self.apis[node_id]
+
+    def _check_netns(self) -> None:
+        """In a lab, HTTP to the nodes only from inside the client host: in the root namespace the lab's
+        addresses follow the default route out of the machine."""
+        if self.client_ns is not None and os.stat("/proc/thread-self/ns/net").st_ino != self.client_ns:
+            raise RuntimeError(f"HTTP to the lab's nodes from outside {self.client_host}: not sent")
+
+    def inside_lab(self) -> contextlib.AbstractContextManager[None]:
+        """The calling thread, and the threads it starts, in the client host (no lab: where it is)."""
+        if self.lab is None or self.client_host is None:
+            return contextlib.nullcontext()
+        return self.lab.inside(self.client_host)
 
     def _read_api(self, n: NodeProc, timeout: float) -> str:
         path = n.data_dir / "api-url"
@@ -413,11 +449,25 @@ class Soak:
             except ProcessLookupError:
                 pass
 
+    def _flap(self, nid: str, down_s: float) -> float:
+        """Pull the node's cable for `down_s`, then plug it back (also when the run is stopped meanwhile);
+        returns when it was back."""
+        assert self.lab is not None and isinstance(self.cluster, LabCluster)
+        host = self.cluster.hosts[nid]
+        self.c.add(link_flaps=1)
+        self.lab.link_down(host)
+        try:
+            self.stop.wait(down_s)
+        finally:
+            self.lab.link_up(host)
+        return time.monotonic()
+
     def fault(self, rng: random.Random) -> None:
-        kind = rng.choice(["node_kill", "node_stop", "runner_stop"])
+        kind = rng.choice(self.fault_kinds)
         nid = rng.choice(self.ids)
         n = self.cluster.nodes[nid]
         at = time.monotonic()
+        up: float | None = None  # when a flapped link was back
         entry: dict[str, Any] = {"kind": kind, "node": nid}
         if kind == "runner_stop":
             pids = n.runner_pids()
@@ -445,7 +495,13 @@ class Soak:
             url = self._read_api(n, 120)
             with self.api_lock:
                 self.apis[nid] = url
+        elif kind == "link_flap":
+            down = rng.uniform(*LINK_DOWN_S)
+            entry["down_s"] = round(down, 2)
+            up = self._flap(nid, down)
         entry["recovered"] = self.wait_healthy(self.recover_s)
+        if up is not None:
+            entry["ready_after_up_s"] = round(time.monotonic() - up, 1)
         entry["at_s"] = round(at - self.t0, 1)
         entry["recovery_s"] = round(time.monotonic() - at, 1)
         self.fault_log.append(entry)
@@ -599,6 +655,8 @@ class Soak:
             "model": self.model,
             "concurrency": self.concurrency,
             "fault_interval_s": round(self.fault_interval_s, 1),
+            "netns": self.lab is not None,
+            "fault_kinds": list(self.fault_kinds),
             "seed": self.seed,
             "requests_ok": c.ok,
             "requests_lost": c.lost,
@@ -617,6 +675,7 @@ class Soak:
             "ttft_p99_s": _pct(c.ttft, 0.99),
             "kills": c.kills,
             "stops": c.stops,
+            "link_flaps": c.link_flaps,
             "disconnects": c.disconnects,
             "faults": self.fault_log,
             "instances_final": [
@@ -645,6 +704,61 @@ def _targets(r: dict[str, Any]) -> dict[str, bool | None]:
     }
 
 
+def use_netns(netns: bool | None) -> bool:
+    """--netns: on, or an error that says why it cannot be; --no-netns: off; neither: on where it works."""
+    if netns is False:
+        return False
+    why = netns_available()
+    if netns and why is not None:
+        raise RuntimeError(f"--netns: {why}")
+    return why is None
+
+
+def fault_kinds(faults: Sequence[str] | None, netns: bool) -> tuple[str, ...]:
+    """The fault kinds to draw from: `faults` (in that order) or every kind this mode can do."""
+    allowed = NETNS_FAULT_KINDS if netns else FAULT_KINDS
+    kinds = tuple(dict.fromkeys(faults)) if faults is not None else allowed
+    bad = [k for k in kinds if k not in allowed]
+    if bad or not kinds:
+        hint = " (link_flap needs --netns)" if "link_flap" in bad else ""
+        raise ValueError(f"fault kinds {bad or '(none)'}: choose from {', '.join(allowed)}{hint}")
+    return kinds
+
+
+def _cluster(root: Path, ids: list[str], model_dir: Path, tiny: bool, lab: NetLab | None) -> LocalCluster:
+    """The nodes on loopback, or each in its own host of the lab (hosts 0..n-1; the last host is the
+    clients')."""
+    settings: dict[str, Any] = {
+        "extra": ["--prefill-step", "8" if tiny else "64"],
+        "runners": dict(FAST_RUNNERS if tiny else MODEL_RUNNERS),
+        "api": True,
+    }
+    if lab is not None:
+        return LabCluster(root / "cluster", ids, model_dir.parent, lab=lab, **settings)
+    return LocalCluster(root / "cluster", ids, model_dir.parent, **settings)
+
+
+def _sweep_runners(soak: Soak) -> None:
+    """Runners still alive after the cluster shut down (a grace for kills in flight) are orphans: counted,
+    then killed."""
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    left = soak._our_runners()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)  # polling the process table, bounded by the deadline
+        left = [p for p in left if _running(p)]
+    for p in left:
+        soak.orphans.setdefault(p.pid, "alive after the cluster shut down")
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def run(
     minutes: float = 10.0,
     nodes: int = 3,
@@ -654,13 +768,19 @@ def run(
     seed: int = 0,
     max_tokens: int | None = None,
     fault_interval_s: float | None = None,
+    netns: bool | None = None,
+    faults: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The soak; `model` is None (the default model), "tiny" (a tiny random model, for smoke runs) or a path
-    or name `resolve_model` knows."""
+    or name `resolve_model` knows. `netns`: None runs the nodes in network namespaces where they work (as
+    root), True insists, False never. `faults`: the fault kinds to draw from (default: every one the mode
+    can do)."""
     from shardline.models.registry import resolve_model
 
     if minutes <= 0 or nodes < 2:
         raise ValueError("--minutes must be > 0 and --nodes >= 2")
+    in_lab = use_netns(netns)
+    kinds = fault_kinds(faults, in_lab)
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-soak-"))
     tiny = model == "tiny"
     if tiny:
@@ -671,63 +791,62 @@ def run(
     old = os.environ.get(MARKER)
     os.environ[MARKER] = run_id  # inherited by every node and runner this run starts
     ids = [f"n{i}" for i in range(nodes)]
-    cluster = LocalCluster(
-        root / "cluster",
-        ids,
-        model_dir.parent,
-        extra=["--prefill-step", "8" if tiny else "64"],
-        runners=dict(FAST_RUNNERS if tiny else MODEL_RUNNERS),
-        api=True,
-    )
-    soak = Soak(
-        cluster,
-        model_dir.name,
-        seconds=minutes * 60,
-        concurrency=concurrency or 2 * nodes,
-        seed=seed,
-        max_tokens=max_tokens or (16 if tiny else 32),
-        deadline_s=60.0 if tiny else 180.0,
-        recover_s=60.0 if tiny else 180.0,
-        fault_interval_s=fault_interval_s or min(FAULT_INTERVAL_S, max(3.0, minutes * 60 / 6)),
-    )
-    soak.run_id = run_id
     result: dict[str, Any] | None = None
     restore = None
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM ends the run like Ctrl-C: the cluster is shut down and every process it started is gone.
-        restore = signal.signal(signal.SIGTERM, _interrupt)
+    # The lab before our SIGTERM handler: NetLab puts its own hook (close every lab) in place once per
+    # process; ours stands in front of it for the run and hands it back after.
+    lab = open_lab(LAB_NAME, nodes + 1) if in_lab else None
     try:
-        cluster.start()
-        soak.setup()
-        soak.reference()
-        print(
-            f"soak: {nodes} nodes ready, {len(QUESTIONS)} reference answers taken; load for {minutes:g} min",
-            file=sys.stderr,
+        cluster = _cluster(root, ids, model_dir, tiny, lab)
+        soak = Soak(
+            cluster,
+            model_dir.name,
+            seconds=minutes * 60,
+            concurrency=concurrency or 2 * nodes,
+            seed=seed,
+            max_tokens=max_tokens or (16 if tiny else 32),
+            deadline_s=60.0 if tiny else 180.0,
+            recover_s=60.0 if tiny else 180.0,
+            fault_interval_s=fault_interval_s or min(FAULT_INTERVAL_S, max(3.0, minutes * 60 / 6)),
+            fault_kinds=kinds,
+            lab=lab,
+            client_host=lab.hosts[nodes] if lab is not None else None,
         )
-        result = soak.run()
+        soak.run_id = run_id
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM ends the run like Ctrl-C: the cluster is shut down and every process it started is gone.
+            restore = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            cluster.start()
+            # Everything that speaks HTTP to the nodes from here on (this thread and every thread it starts)
+            # does it from the client host; the block ends (back in our own namespace) before any cleanup.
+            with soak.inside_lab():
+                soak.setup()
+                soak.reference()
+                where = f"in network namespaces ({lab.name_prefix}-*)" if lab is not None else "on loopback"
+                print(
+                    f"soak: {nodes} nodes ready {where}, {len(QUESTIONS)} reference answers taken; "
+                    f"load for {minutes:g} min",
+                    file=sys.stderr,
+                )
+                result = soak.run()
+        finally:
+            soak.stop.set()
+            soak.load_over.set()
+            cluster.close()
+            _sweep_runners(soak)
     finally:
-        soak.stop.set()
-        soak.load_over.set()
-        cluster.close()
-        # Runners still alive after the cluster shut down (a grace for kills in flight), then cleaned up.
-        deadline = time.monotonic() + ORPHAN_GRACE_S
-        left = soak._our_runners()
-        while left and time.monotonic() < deadline:
-            time.sleep(0.5)
-            left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        for p in left:
-            soak.orphans.setdefault(p.pid, "alive after the cluster shut down")
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        if restore is not None:
-            signal.signal(signal.SIGTERM, restore)
-        if old is None:
-            os.environ.pop(MARKER, None)
-        else:
-            os.environ[MARKER] = old
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if lab is not None:
+                lab.close()  # anything left in its namespaces is killed; the namespaces are deleted
+        finally:
+            if restore is not None:
+                signal.signal(signal.SIGTERM, restore)
+            if old is None:
+                os.environ.pop(MARKER, None)
+            else:
+                os.environ[MARKER] = old
+            shutil.rmtree(root, ignore_errors=True)
     assert result is not None
     result["orphan_processes"] = len(soak.orphans)
     result["orphans"] = [f"{pid}: {why}" for pid, why in soak.orphans.items()]
@@ -738,7 +857,8 @@ def run(
         f"timed out {result['timed_out']})  refused {result['refused']}  "
         f"unreachable {result['unreachable']}  cut by node kill {result['cut_by_node_kill']}  "
         f"5xx {result['http_5xx']}\n"
-        f"  faults: {result['kills']} kills, {result['stops']} stops, {result['disconnects']} disconnects; "
+        f"  faults: {result['kills']} kills, {result['stops']} stops, {result['link_flaps']} link flaps, "
+        f"{result['disconnects']} disconnects; "
         f"ttft p50/p99 {result['ttft_p50_s']}/{result['ttft_p99_s']} s\n"
         f"  leaked_slots {result['leaked_slots']}  orphans {result['orphan_processes']}  masters/term max "
         f"{result['masters_per_term_max']}  rss growth {result['rss_growth_ratio']}\n"

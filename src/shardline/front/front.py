@@ -4,7 +4,9 @@ Request state lives here, never only inside a runner. The front hears the contro
 (Serving / Recovering / InstanceFailed) and the leader's events; it sends Submit / Cancel to the serving
 generation's leader. It checks what the leader tells it: a gap in token indices, a finish with fewer tokens
 than the client has, or a request the leader no longer holds is a lost message, reported to the controller
-as a fault of that generation (which rebuilds it); never a silently short answer.
+as a fault of that generation (which rebuilds it); never a silently short answer. A report is a publication,
+lost when no master listens at that moment (a master change, a link just back): a fault still seen is
+reported again every REPORT_AGAIN_S until a new generation serves.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from shardline.front.request import RequestHandle, RequestState
 
 log = logging.getLogger("shardline.front")
 MAX_REQUEST_ID = 128
+REPORT_AGAIN_S = 1.0  # a generation's fault still seen this long after its last report is reported again
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class Front:
         self.failure: str | None = None
         self.closed = False
         self.serving = threading.Event()
-        self._faulted: set[int] = set()
+        self._reported: tuple[int, float] | None = None  # (generation, when) of the last fault report
         self._newest = -1  # the newest generation announced
         self.leader_held = 0  # requests the serving leader holds (admitted or waiting), from its last beat
         self.figures = LeaderFigures()  # the instance's traffic from every front, from the leader's beats
@@ -321,9 +325,16 @@ class Front:
                 handle = self.requests.get(msg.request_id)
                 if handle is not None:
                     fault = self._apply(handle, msg, env)
-        if fault is not None and generation not in self._faulted:
-            self._faulted.add(generation)
+        if fault is not None and self._report_due(generation, time.monotonic()):
             self._report_fault(generation, fault)
+
+    def _report_due(self, generation: int, now: float) -> bool:
+        """A fault of `generation` is reported now: its first, or one still seen REPORT_AGAIN_S after."""
+        last = self._reported
+        if last is not None and last[0] == generation and now - last[1] < REPORT_AGAIN_S:
+            return False
+        self._reported = (generation, now)
+        return True
 
     def _apply(self, handle: RequestHandle, msg: Any, env: Envelope) -> str | None:
         state = handle.state

@@ -14,13 +14,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from shardline.cluster.client import ClusterClient
 from shardline.cluster.messages import ClusterView
+from shardline.testing.netns import HOST_IF, Host, NetLab
 from shardline.trust.credentials import KEY_ENV, TLS_ENV, Credentials
 
 # Overrides of InstanceSettings (controller/settings.py): short liveness settings, so failures are found
@@ -59,6 +63,7 @@ class NodeProc:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     env: dict[str, str] | None = None  # the node's environment (its cluster key); None: this process's
+    popen: Callable[..., subprocess.Popen[Any]] = subprocess.Popen  # how it is started (a lab: in its host)
 
     @property
     def api(self) -> str:
@@ -77,7 +82,7 @@ class NodeProc:
         (self.data_dir / "api-url").unlink(missing_ok=True)  # a previous run's
         self.log = self.data_dir / "node.log"
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
+            self.proc = self.popen(
                 [*(prefix or []), *self.argv],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -237,3 +242,33 @@ class LocalCluster:
             c.close()
         for n in self.nodes.values():
             n.stop()
+
+
+LAB_PORT = 7447  # every node has a namespace, so an address, of its own: one fixed port for all
+
+
+@dataclass
+class LabCluster(LocalCluster):
+    """Nodes `ids` each in its own host of `lab` (hosts 0..n-1 in order): zenoh on the host's lab address,
+    every other node named as a peer, multicast scouting on the lab's interface only, HTTP (with `api`) on
+    the lab address. Nothing listens in, or speaks from, the root namespace: only a thread or process inside
+    a lab host reaches the nodes (`NetLab.inside`, `NetLab.popen`), so client() is of no use here."""
+
+    lab: NetLab | None = None
+
+    def __post_init__(self) -> None:
+        assert self.lab is not None and len(self.lab.hosts) >= len(self.ids), "a lab with a host per node"
+        self.hosts: dict[str, Host] = dict(zip(self.ids, self.lab.hosts, strict=False))
+        endpoints = {nid: f"tcp/{h.address}:{LAB_PORT}" for nid, h in self.hosts.items()}
+        for nid, endpoint in endpoints.items():
+            launch = partial(self.lab.popen, self.hosts[nid])
+            self.nodes[nid] = NodeProc(nid, self.root / nid, [], endpoint, popen=launch)
+            # Every node names every other: a restarted or reconnected node finds them all again.
+            self._peers[nid] = [e for other, e in endpoints.items() if other != nid]
+
+    def argv(self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None) -> list[str]:
+        argv = super().argv(node_id, listen, peers, models_dir)
+        return [*argv, "--api-host", self.hosts[node_id].address, "--multicast-interface", HOST_IF]
+
+    def add(self, node_id: str, *extra: str, **kw: Any) -> NodeProc:
+        raise NotImplementedError("a LabCluster's nodes are fixed by its lab")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import ipaddress
 import json
 import os
@@ -47,6 +48,7 @@ BRIDGE_IF = "br0"
 MULTICAST_NET = "224.0.0.0/4"
 LAB_RANGE = ipaddress.ip_network("10.77.0.0/16")  # one /24 per lab: 10.77.X.0/24, X in 1..254
 NETNS_DIR = Path("/run/netns")
+CLONE_NEWNET = 0x40000000
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
 _MAX_PREFIX = 24
 _CMD_TIMEOUT = 15.0
@@ -170,11 +172,13 @@ def _exited(pid: int, start_time: int | None) -> bool:
 def _empty_namespaces(names: Sequence[str], grace: float) -> list[int]:
     """TERM, then KILL, every process in the namespaces; returns the pids not exited at the end."""
     signalled: dict[int, int | None] = {}
+    me = os.getpid()  # never ourselves: a thread of ours may be in a lab host (see inside())
 
     def settled() -> bool:
         for ps in netns_pids(names).values():
             for pid in ps:
-                signalled.setdefault(pid, _start_time(pid))
+                if pid != me:
+                    signalled.setdefault(pid, _start_time(pid))
         return all(_exited(p, t) for p, t in signalled.items())
 
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
@@ -182,7 +186,8 @@ def _empty_namespaces(names: Sequence[str], grace: float) -> list[int]:
             break
         for ps in netns_pids(names).values():
             for pid in ps:
-                _kill(pid, sig)
+                if pid != me:
+                    _kill(pid, sig)
         _wait_until(settled, wait)
     return sorted(p for p, t in signalled.items() if not _exited(p, t))
 
@@ -345,6 +350,52 @@ def _probe() -> str | None:
     return None
 
 
+def _setns(fd: int) -> None:
+    """Move the calling thread (only it) into the network namespace open as ``fd``."""
+    if hasattr(os, "setns"):  # Python 3.12+
+        os.setns(fd, CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def inside(namespace: str) -> Iterator[None]:
+    """Run the calling thread inside the named network namespace until the block ends, then bring it back.
+
+    Network namespaces are per thread: sockets this thread opens meanwhile live in the namespace (for their
+    whole life), and so do the threads it starts meanwhile (a thread is born in its creator's namespace).
+    Processes it starts are born there too; files and /proc read the same from any network namespace.
+    """
+    back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)  # this thread's, not the process leader's
+    try:
+        target = os.open(NETNS_DIR / namespace, os.O_RDONLY)
+        try:
+            _setns(target)
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            _setns(back)
+    finally:
+        os.close(back)
+
+
+def open_lab(base: str, count: int, tries: int = 9) -> NetLab:
+    """A NetLab named ``base`` or, while a live process uses that, ``base2``, ``base3``...; a crashed run's
+    leftovers under the name chosen are removed first."""
+    for k in range(1, tries + 1):
+        prefix = base if k == 1 else f"{base}{k}"
+        if _owner_alive(_read_state(prefix)) or any(lab.name_prefix == prefix for lab in _OPEN_LABS.values()):
+            continue
+        cleanup_stale(prefix)
+        return NetLab(prefix, count)
+    raise NetnsError(f"labs {base} to {base}{tries} are all in use by live processes")
+
+
 def cleanup_stale(prefix: str, force: bool = False) -> list[str]:
     """Remove what a crashed run left with this prefix: its processes, namespaces (with their veths and
     bridge) and state file. A lab whose owner process is still alive is left alone unless ``force``.
@@ -494,6 +545,10 @@ class NetLab:
         if not _wait_until(lambda: proc.poll() is not None or inside(), 10.0, interval=0.001):
             raise NetnsError(f"{argv[0]} did not enter {h.name} within 10s")
         return proc
+
+    def inside(self, host: Host | int | str) -> contextlib.AbstractContextManager[None]:
+        """The calling thread (and the threads it starts meanwhile) in the host's namespace: see inside()."""
+        return inside(self.host(host).name)
 
     def run(
         self, host: Host | int | str, argv: Sequence[str], timeout: float, **kw: Any

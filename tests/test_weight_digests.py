@@ -288,6 +288,16 @@ def test_placing_needs_a_recorded_digest_and_every_launch_names_it() -> None:
     s2 = replace(s2, records={old.instance: old})
     _, launches = ms.layout(s2, old.instance, 1, keep={}, avoid=set())
     assert all(x.digest == D1 for _, x in launches)
+    # A new master rebuilds it from the view (every node keeps one and reports its records), and keeps it
+    # though a holder of another version with an earlier record has joined since.
+    view = ms.view(replace(s, seq=1))
+    later = _cluster({"a": _report("a", _holder(D1, 1.0)), "b": _report("b", _holder(D2, 0.5))})
+    cs.apply(later, cs.ViewIn(view), 0)
+    assert cs.expected_digest(later, "m") == D2
+    new = ms.initial(config, 2, ms.snapshot(later, 0.0, 1000.0))
+    assert new.records[old.instance].digest == D1
+    _, launches = ms.layout(new, old.instance, 1, keep={}, avoid=set())
+    assert all(x.digest == D1 and x.sources == ["a"] for _, x in launches)
     # The only holder of the expected version gone: no layout (never a copy of another version).
     gone = _cluster({"a": _report("a", None), "b": _report("b", _holder(D2, 2.0))})
     s3 = ms.initial(config, 1, ms.snapshot(gone, 0.0, 1000.0))

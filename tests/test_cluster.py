@@ -237,6 +237,8 @@ def test_node_without_the_model_gets_its_stage_copied_and_a_corrupt_copy_is_fetc
     client.wait_ready(instance, 60)
     assert client.front(instance).submit(prompt, max_tokens=20).tokens(timeout=30) == expected
     assert "fetching it again" in cluster.nodes["w2"].tail(200)
+    client.wait(lambda v: weights_events(client, "w2"), 10, "the rejection of w2's stage copy")
+    assert "stage copy of model tiny-llama on node w2 does not match" in weights_events(client, "w2")[0]
 
 
 ONE_STAGE = SMALL.model_copy(update={"max_stages": 1})

@@ -481,6 +481,11 @@ def test_a_node_never_loads_an_unchecked_copy_of_a_stage(
     assert weights_of.get("llama", 0, 3, expected, [], beat, notify) == dest and len(notices) == 2
     with pytest.raises(WeightsError, match="on no other node"):
         weights_of.get("llama", 0, 3, "0" * 64, ["me"], beat, notify)
+    assert (
+        notices[-1][0] == "me"
+        and "stage copy of model llama" in notices[-1][1]
+        and "another version" in notices[-1][1]
+    )
     with pytest.raises(WeightsError, match="no expected digest"):
         weights_of.get("llama", 0, 3, "", sources, beat, notify)
 

@@ -3,12 +3,12 @@ master names: its own whole copy if that matches, its stage copy if that matches
 holders the master named, each one refused when its bytes do not match and the next one tried.
 
 What it refuses is said through `notify(node, message)` (the node turns it into a cluster event): a source
-that sent bad bytes, or its own copy that no longer matches (moved aside, never loaded, never deleted).
+that sent bad bytes, its own whole copy that does not match (moved aside: never loaded, never deleted), or its
+stage copy that does not match (fetched again: only what differs travels).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,8 +22,6 @@ from shardline.cluster.weights.files import SHARD_MANIFEST, weight_files
 from shardline.cluster.weights.manifest import read_shard_manifest, set_aside
 from shardline.cluster.weights.sources import fetch_order
 from shardline.cluster.weights.verify import check_full_copy, check_stage_copy
-
-log = logging.getLogger("shardline.weights")
 
 Progress = Callable[[int, int, str], None]  # bytes in place, bytes to place, source node
 
@@ -45,6 +43,7 @@ class StageWeights:
         self._changed = changed
         self._lock = threading.Lock()
         self._refused: dict[tuple[str, str], float] = {}  # (model, source) -> when it was refused (monotonic)
+        self._busy: dict[str, threading.Lock] = {}  # model -> held while one stage's weights are got
 
     def get(
         self,
@@ -62,6 +61,21 @@ class StageWeights:
             raise WeightsError(
                 f"no expected digest of model {model!r} came with the command: not loading it unchecked"
             )
+        with self._lock:
+            busy = self._busy.setdefault(model, threading.Lock())
+        with busy:  # two stages of one model at once: one checks, moves or fetches, the other sees the result
+            return self._get(model, start, end, expected, sources, progress, notify)
+
+    def _get(
+        self,
+        model: str,
+        start: int,
+        end: int,
+        expected: str,
+        sources: list[str],
+        progress: Progress,
+        notify: Callable[[str, str], None],
+    ) -> Path:
         target = self.models_root / model
         if (target / SHARD_MANIFEST).is_file():
             try:
@@ -71,7 +85,11 @@ class StageWeights:
             if have is not None and have.start <= start and end <= have.end:
                 if not (bad := check_stage_copy(target, expected)):
                     return target
-                log.warning("stage copy of %s is corrupt (%s): fetching it again", model, ", ".join(bad[:3]))
+                notify(
+                    self.node_id,
+                    f"the stage copy of model {model} on node {self.node_id} does not match the expected "
+                    f"digest ({', '.join(bad[:3])}): not loaded, fetching it again",
+                )
         elif (target / "config.json").is_file() and weight_files(target):
             if not (bad := check_full_copy(target, expected, start, end)):
                 return target

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -259,7 +260,8 @@ def set_aside(model_dir: Path) -> Path:
     """Move a whole model that failed its check out of the way, with its record: hidden (never listed,
     served or loaded), never deleted (its owner may want to look at it)."""
     model_dir = Path(model_dir)
-    aside = model_dir.with_name(f".{model_dir.name}.rejected-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    when = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"  # never onto an earlier one
+    aside = model_dir.with_name(f".{model_dir.name}.rejected-{when}")
     os.replace(model_dir, aside)
     with contextlib.suppress(OSError):
         os.replace(record_path(model_dir), record_path(aside))

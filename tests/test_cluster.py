@@ -18,6 +18,7 @@ from conftest import assert_no_runner_left, random_prompt
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
 from shardline.cluster.placement import PlacementRequest
+from shardline.cluster.weights.manifest import read_shard_manifest, record_import
 from shardline.testing.cluster import LocalCluster
 from shardline.testing.reference import Reference
 from shardline.trust.credentials import Credentials
@@ -237,6 +238,90 @@ def test_node_without_the_model_gets_its_stage_copied_and_a_corrupt_copy_is_fetc
     client.wait_ready(instance, 60)
     assert client.front(instance).submit(prompt, max_tokens=20).tokens(timeout=30) == expected
     assert "fetching it again" in cluster.nodes["w2"].tail(200)
+    client.wait(lambda v: weights_events(client, "w2"), 10, "the rejection of w2's stage copy")
+    assert "stage copy of model tiny-llama on node w2 does not match" in weights_events(client, "w2")[0]
+
+
+ONE_STAGE = SMALL.model_copy(update={"max_stages": 1})
+
+
+def weights_events(client: ClusterClient, node: str) -> list[str]:
+    view = client.view
+    return [e.message for e in view.events if e.kind == "weights" and e.node == node] if view else []
+
+
+@pytest.mark.timeout(150)
+def test_a_source_serving_altered_bytes_is_refused_named_and_the_stage_loads_from_an_honest_one(
+    make_cluster, reference, tmp_path
+):
+    # v1 and v2 hold the model (v1 alters every tensor it sends; its files, manifest and digest are honest)
+    # and have no room for a stage; v3 has no copy: it tries v1 first (the master's order), then v2.
+    empty = tmp_path / "empty-models"
+    empty.mkdir()
+    no_room = ["--memory-limit", "1K"]
+    cluster = make_cluster(
+        ["v1", "v2"],
+        launchers={"v1": ["-m", "shardline.testing.tampering_node", "tiny-llama"]},
+        node_extra={"v1": no_room, "v2": no_room},
+    )
+    cluster.add("v3", models_dir=empty)
+    client = cluster.client("v3")
+    wait_nodes(client, {"v1", "v2", "v3"})
+    prompt = random_prompt(12, seed=21)
+    expected = reference.greedy(prompt, 20)[0]
+    reply = client.place("tiny-llama", ONE_STAGE)
+    assert reply.instance is not None and reply.instance.digest
+    rec = client.wait_ready(reply.instance.instance, 60)
+    assert [s.node_id for s in rec.stages] == ["v3"] and rec.digest == reply.instance.digest
+    assert client.front(rec.instance).submit(prompt, max_tokens=20).tokens(timeout=30) == expected
+    copy = read_shard_manifest(empty / "tiny-llama")
+    assert copy.source is not None and copy.source.node == "v2" and copy.model_digest() == rec.digest
+    refused = client.wait(lambda v: weights_events(client, "v1"), 10, "the refusal of v1").events
+    [message] = weights_events(client, "v1")
+    assert "tiny-llama" in message and "does not match its sha256" in message and "by node v3" in message
+    assert not weights_events(client, "v2") and [e.instance for e in refused if e.kind == "weights"] == [
+        rec.instance
+    ]
+
+
+@pytest.mark.timeout(150)
+def test_a_tampered_local_copy_is_detected_before_load_and_a_good_copy_fetched(
+    make_cluster, reference, models, tmp_path
+):
+    # u1 and u2 imported the same model; u1's file is altered afterwards (same size, same mtime: only its
+    # bytes tell). The stage goes to u1 (u2 has no room): u1 must not load its copy.
+    mine, theirs = tmp_path / "u1-models", tmp_path / "u2-models"
+    for root in (mine, theirs):
+        shutil.copytree(models / "tiny-llama", root / "tiny-llama")
+    record = record_import(mine / "tiny-llama")
+    assert record_import(theirs / "tiny-llama").digest() == record.digest()
+    weights = mine / "tiny-llama" / "model.safetensors"
+    entry = record.tensors["model.layers.3.self_attn.o_proj.weight"]
+    st = weights.stat()
+    with weights.open("r+b") as f:
+        f.seek(entry.offset + 11)
+        f.write(b"\x7f\x7f")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    cluster = make_cluster(["u1"], models_dir=mine)
+    cluster.add("u2", "--memory-limit", "1K", models_dir=theirs)
+    client = cluster.client("u1")
+    wait_nodes(client, {"u1", "u2"})
+    prompt = random_prompt(12, seed=22)
+    expected = reference.greedy(prompt, 20)[0]
+    reply = client.place("tiny-llama", ONE_STAGE)
+    assert reply.instance is not None
+    rec = client.wait_ready(reply.instance.instance, 60)
+    assert [s.node_id for s in rec.stages] == ["u1"]
+    assert client.front(rec.instance).submit(prompt, max_tokens=20).tokens(timeout=30) == expected
+    client.wait(lambda v: weights_events(client, "u1"), 10, "the rejection of u1's own copy")
+    [message] = weights_events(client, "u1")
+    assert "local copy of model tiny-llama" in message and "o_proj" in message and "moved aside" in message
+    [aside] = list(mine.glob(".tiny-llama.rejected-*"))
+    assert (aside / "model.safetensors").read_bytes() != (
+        theirs / "tiny-llama" / "model.safetensors"
+    ).read_bytes()
+    copy = read_shard_manifest(mine / "tiny-llama")  # what loaded: a stage copy from u2, checked
+    assert copy.source is not None and copy.source.node == "u2" and copy.model_digest() == record.digest()
 
 
 @pytest.mark.timeout(120)

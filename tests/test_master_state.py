@@ -28,6 +28,7 @@ FP = ModelFootprint(
     vocab_size=512,
 )
 REQ = PlacementRequest(sequences=1, reserve_tokens=64, hop_cost_fraction=0.0, max_stages=2)
+DIGEST = "d" * 64  # the model digest every holder reports (its import record's)
 RES = cm.Resources(memory_total=8 << 30, memory_available=1 << 30, compute_score=50.0, device="cpu", cpus=2)
 
 
@@ -40,7 +41,7 @@ def report(
         endpoint="tcp/127.0.0.1:7447",
         started_at=0.0,
         resources=RES,
-        models={"m": cm.LocalModel(full=True, footprint=FP)},
+        models={"m": cm.LocalModel(full=True, footprint=FP, digest=DIGEST)},
         runners=runners or [],
         term=term,
         **kw,  # type: ignore[arg-type]

@@ -19,7 +19,12 @@ import mlx.core as mx
 import pytest
 import zenoh
 
-from shardline.cluster.weights.errors import ModelNotOnSourceError, SourceUnavailableError, WeightsError
+from shardline.cluster.weights.errors import (
+    ModelNotOnSourceError,
+    SourceRefusedError,
+    SourceUnavailableError,
+    WeightsError,
+)
 from shardline.cluster.weights.fetch import FetchStats, fetch_shard
 from shardline.cluster.weights.files import SHARD_MANIFEST, WEIGHTS_FILE
 from shardline.cluster.weights.manifest import (
@@ -32,14 +37,17 @@ from shardline.cluster.weights.manifest import (
     local_models,
     model_manifest,
     read_shard_manifest,
+    record_import,
     tensors_for,
 )
 from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply
-from shardline.cluster.weights.server import WeightServer
+from shardline.cluster.weights.server import Tamper, WeightServer
+from shardline.cluster.weights.stage import StageWeights
 from shardline.cluster.weights.verify import verify_shard
 from shardline.compute.shard import LayerRange, load_shard, split_layers
 from shardline.dataplane.transport import open_session
 from shardline.models.errors import CorruptModelError
+from shardline.testing.tampering_node import flip_first_byte
 from shardline.testing.tiny import make_tiny_model
 
 NS = "test-weights"
@@ -66,8 +74,8 @@ def sessions() -> Iterator[tuple[zenoh.Session, zenoh.Session]]:
 def serve(sessions: tuple[zenoh.Session, zenoh.Session]) -> Iterator:
     servers: list[WeightServer] = []
 
-    def start(models_root: Path, node: str = "src") -> WeightServer:
-        servers.append(WeightServer(sessions[0], NS, node, models_root))
+    def start(models_root: Path, node: str = "src", tamper: Tamper | None = None) -> WeightServer:
+        servers.append(WeightServer(sessions[0], NS, node, models_root, tamper=tamper))
         return servers[-1]
 
     yield start
@@ -356,6 +364,130 @@ def test_fetch_never_overwrites_a_model_it_did_not_fetch(
         fetch_shard(client, NS, "src", "llama", 0, 3, tmp_path)
     assert local_models(tmp_path)["llama"].full
     assert not (tmp_path / "llama" / SHARD_MANIFEST).exists()
+
+
+# ------------------------------------------------------------------------------------------------ trust
+
+
+def _flip_layer(layer: int) -> Tamper:
+    """Alters the bytes of one layer's tensors only: what comes before it from the same source is right."""
+    flip = flip_first_byte("llama")
+    return lambda model, kind, name, offset, data: (
+        flip(model, kind, name, offset, data) if f".layers.{layer}." in name else data
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_lying_source_is_refused_and_the_next_holder_resumes_what_was_checked(
+    tiny_models: dict[str, Path], serve, client: zenoh.Session, tmp_path: Path
+) -> None:
+    full = tiny_models["llama"]
+    expected = model_manifest(full).digest()
+    serve(
+        full.parent, node="liar", tamper=_flip_layer(2)
+    )  # its manifest and digest are honest, its bytes not
+    serve(full.parent, node="honest")
+    with pytest.raises(SourceRefusedError, match=r"layers\.2\..*does not match its sha256") as refused:
+        fetch_shard(
+            client,
+            NS,
+            "liar",
+            "llama",
+            0,
+            6,
+            tmp_path,
+            chunk_bytes=SMALL_CHUNK,
+            parallel=1,
+            expected=expected,
+        )
+    assert (refused.value.node, refused.value.model) == ("liar", "llama")
+    assert not (tmp_path / "llama").exists()
+
+    stats = FetchStats()
+    dest = fetch_shard(
+        client, NS, "honest", "llama", 0, 6, tmp_path, chunk_bytes=SMALL_CHUNK, stats=stats, expected=expected
+    )
+    tensor_bytes = sum(e.bytes for e in read_shard_manifest(dest).tensors.values())
+    assert (
+        stats.bytes_resumed > 0 and 0 < stats.bytes_received < tensor_bytes
+    )  # layers 0-1 were checked already
+    assert verify_shard(dest) == [] and read_shard_manifest(dest).model_digest() == expected
+    _assert_same_outputs(dest, full, LayerRange(0, 6, 6))
+
+
+@pytest.mark.timeout(60)
+def test_another_version_or_a_stage_holder_is_refused_before_any_byte(
+    tiny_models: dict[str, Path], serve, client: zenoh.Session, tmp_path: Path
+) -> None:
+    full = tiny_models["llama"]
+    expected = model_manifest(full).digest()
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)  # same name, other weights
+    serve(other.parent, node="stale")
+    stats = FetchStats()
+    with pytest.raises(SourceRefusedError, match=r"has digest \w+, not the expected"):
+        fetch_shard(client, NS, "stale", "llama", 0, 3, tmp_path / "a", stats=stats, expected=expected)
+    assert stats.bytes_received == 0 and not (tmp_path / "a" / "llama").exists()
+    # Without an expected digest the copy only agrees with its own source: that is what `expected` is for.
+    fetch_shard(client, NS, "stale", "llama", 0, 3, tmp_path / "b")
+
+    # A stage holder lists only its tensors: the model digest cannot be recomputed, so it proves nothing.
+    serve(full.parent, node="src")
+    fetch_shard(
+        client, NS, "src", "llama", 0, 6, tmp_path / "stage", chunk_bytes=SMALL_CHUNK, expected=expected
+    )
+    serve(tmp_path / "stage", node="stage")
+    with pytest.raises(SourceRefusedError, match="holds one stage only"):
+        fetch_shard(client, NS, "stage", "llama", 0, 3, tmp_path / "c", expected=expected)
+
+
+@pytest.mark.timeout(60)
+def test_a_node_never_loads_an_unchecked_copy_of_a_stage(
+    tiny_models: dict[str, Path], serve, client: zenoh.Session, tmp_path: Path
+) -> None:
+    holders = tmp_path / "holders"
+    shutil.copytree(tiny_models["llama"], holders / "llama")
+    expected = record_import(holders / "llama").digest()
+    mine = tmp_path / "mine"
+    shutil.copytree(holders / "llama", mine / "llama")
+    record = record_import(mine / "llama")
+    assert record.digest() == expected
+    entry = record.tensors["model.layers.1.mlp.gate_proj.weight"]
+    weights = mine / "llama" / "model.safetensors"
+    st = weights.stat()
+    with weights.open("r+b") as f:  # altered after its import, size and mtime kept
+        f.seek(entry.offset + 5)
+        f.write(b"\x00\x01\x02\x03")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    serve(holders, node="liar", tamper=flip_first_byte("llama"))
+    serve(holders, node="honest")
+
+    notices: list[tuple[str, str]] = []
+    rescans: list[int] = []
+    weights_of = StageWeights(client, NS, "me", mine, changed=lambda: rescans.append(1))
+    sources = ["liar", "me", "honest"]
+    notify = lambda node, message: notices.append((node, message))  # noqa: E731
+    progress = Progress()
+    beat = lambda done, total, source: progress(done, total)  # noqa: E731
+    dest = weights_of.get("llama", 0, 3, expected, sources, beat, notify)
+    assert dest == mine / "llama" and read_shard_manifest(dest).source.node == "honest"
+    assert [n for n, _ in notices] == ["me", "liar"]
+    assert "does not match the expected digest" in notices[0][1] and "gate_proj" in notices[0][1]
+    assert "refused as a source of llama" in notices[1][1] and "checked by node me" in notices[1][1]
+    [aside] = list(mine.glob(".llama.rejected-*"))
+    assert aside.is_dir() and rescans  # moved aside, never deleted; the node rescans its models
+    _assert_same_outputs(dest, tiny_models["llama"], LayerRange(0, 3, 6))
+
+    # Checked again before every load: intact, it is used as it is; another version never is.
+    assert weights_of.get("llama", 0, 3, expected, [], beat, notify) == dest and len(notices) == 2
+    with pytest.raises(WeightsError, match="on no other node"):
+        weights_of.get("llama", 0, 3, "0" * 64, ["me"], beat, notify)
+    assert (
+        notices[-1][0] == "me"
+        and "stage copy of model llama" in notices[-1][1]
+        and "another version" in notices[-1][1]
+    )
+    with pytest.raises(WeightsError, match="no expected digest"):
+        weights_of.get("llama", 0, 3, "", sources, beat, notify)
 
 
 @pytest.mark.slow

@@ -102,6 +102,7 @@ class Laid:
     instance: str
     generation: int
     stages: tuple[cm.StageRecord, ...]
+    digest: str = ""  # the model digest it launched with (a record from before digests gets one here)
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,12 @@ def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Command]]
         if rec is None or event.instance not in state.running:
             return state, []
         new = rec.model_copy(
-            update={"stages": list(event.stages), "generation": event.generation, "phase": "placed"}
+            update={
+                "stages": list(event.stages),
+                "generation": event.generation,
+                "phase": "placed",
+                "digest": event.digest or rec.digest,
+            }
         )
         return replace(state, records={**state.records, event.instance: new}, dirty=True), []
     return _update(state, event)
@@ -316,6 +322,12 @@ def _place(
     if fp is None:
         error = f"model {q.model!r} is on no live node"
         return state, cm.MasterReply(ok=False, error=error, term=state.term), []
+    digest = cs.expected_digest(snap, q.model)
+    if digest is None:  # no copy could be checked: nothing is placed on trust
+        error = (
+            f"model {q.model!r} has no recorded digests on any live node yet (being hashed): try again soon"
+        )
+        return state, cm.MasterReply(ok=False, error=error, term=state.term), []
     nodes = [c for c in cs.capacities(snap) if _worker(snap, c.node_id)]
     try:
         placement = place(fp, nodes, q.request)
@@ -337,6 +349,7 @@ def _place(
         context_length=fp.context_length,
         created_at=at,
         stages=[cm.StageRecord(node_id=a.node_id, start=a.start, end=a.end) for a in placement.stages],
+        digest=digest,
     )
     state = replace(
         state, records={**state.records, instance: rec}, running=state.running | {instance}, dirty=True
@@ -442,10 +455,13 @@ def layout(
     snap = state.snapshot.cluster
     fp = cs.footprint(snap, rec.model)
     nodes = [c for c in cs.capacities(snap, instance) if _worker(snap, c.node_id)]
-    sources = cs.sources(snap, rec.model)
+    digest = rec.digest or cs.expected_digest(snap, rec.model) or ""
+    sources = cs.sources(snap, rec.model, digest)
     endpoints = {n: r.endpoint for n, r in snap.reports.items()}
-    if fp is None or not sources:
+    if fp is None or not cs.sources(snap, rec.model):
         raise LayoutError(f"model {rec.model!r} is on no live node")
+    if not sources:
+        raise LayoutError(f"no live node holds model {rec.model!r} with the expected digest {digest[:12]}")
     try:
         try:  # a node that stalled or vanished is most likely cut off: not used again while others fit
             placement = place(fp, [n for n in nodes if n.node_id not in avoid], rec.request, keep=keep)
@@ -460,6 +476,7 @@ def layout(
     launches = []
     for k, a in enumerate(placement.stages):
         start = _start_runner(state, rec, fp, generation, k, a, len(stages), endpoints, sources)
+        start = start.model_copy(update={"digest": digest})
         # A survivor keeps its process where its layers stay (keep is empty unless reuse is on).
         start = start.model_copy(update={"reuse": keep.get(a.node_id) == (a.start, a.end)})
         launches.append((keys.agent(a.node_id), start))

@@ -36,6 +36,10 @@ class LocalModel(Wire):
     start: int = 0
     end: int = 0
     footprint: ModelFootprint | None = None
+    # The model digest (cluster/weights/manifest.py): of its import record, or the one a stage was checked
+    # against; "" while a whole model is still being hashed. Short: the per-file digests stay on the node.
+    digest: str = ""
+    imported_at: float = 0.0  # a whole model: when its digests were recorded (the earliest import is truth)
 
 
 class RunnerInfo(Wire):
@@ -62,6 +66,7 @@ class NodeReport(Wire):
     runners: list[RunnerInfo] = []
     term: int = 0  # the highest master term this node has seen: a new master learns it from reports
     instances: list[InstanceRecord] = []  # as of the newest view it saw: nothing lives only in the master
+    notices: list[ClusterEvent] = []  # its newest own events (a weight source refused): every node folds them
 
 
 # ---- master -> everyone: the cluster as the master sees it -------------------------------------------------
@@ -91,6 +96,7 @@ class InstanceRecord(Wire):
     context_length: int = 0
     recoveries: int = 0
     created_at: float = 0.0  # wall clock
+    digest: str = ""  # the model digest every copy of its stages must have (the first importer's)
 
 
 class NodeSummary(Wire):
@@ -107,7 +113,9 @@ class NodeSummary(Wire):
 
 class ClusterEvent(Wire):
     at: float  # wall clock
-    kind: Literal["join", "leave", "master", "placed", "ready", "failure", "recovered", "failed", "removed"]
+    kind: Literal[
+        "join", "leave", "master", "placed", "ready", "failure", "recovered", "failed", "removed", "weights"
+    ]
     node: str = ""
     instance: str = ""
     message: str = ""

@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,9 @@ from shardline.cluster.keys import ClusterKeys, node_from_key
 from shardline.cluster.master import Master, Posted
 from shardline.cluster.placement import footprint_from_dir
 from shardline.cluster.resources import compute_score, device_kind, node_identity, resources
-from shardline.cluster.weights.fetch import fetch_shard
-from shardline.cluster.weights.manifest import local_models
-from shardline.cluster.weights.server import WeightServer
-from shardline.cluster.weights.verify import verify_shard
+from shardline.cluster.weights.manifest import local_models, record_imports
+from shardline.cluster.weights.server import Tamper, WeightServer
+from shardline.cluster.weights.stage import StageWeights
 from shardline.controller.settings import InstanceSettings
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode, encode
@@ -45,6 +45,9 @@ from shardline.trust.credentials import Credentials
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
 EVENTS_CAPACITY = 10_000
+NOTICES_KEPT = 8  # the node's newest own events, repeated in its reports
+NOTICE_TTL_S = 300.0  # ... for this long: a node that joins later need not learn old news
+RECORD_RETRY_S = 60.0  # a model that could not be hashed (still being copied in) is tried again after this
 
 
 class ClusterInstanceSettings(InstanceSettings):
@@ -94,8 +97,10 @@ def concrete_endpoint(endpoint: str) -> str:
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, *, weight_tamper: Tamper | None = None) -> None:
+        """weight_tamper: a test-only fault of the weight server (shardline.testing.tampering_node)."""
         self.config = config
+        self._weight_tamper = weight_tamper
         self.keys = ClusterKeys(config.namespace)
         data_dir = config.resolved_data_dir()
         self.node_id, self.name = node_identity(data_dir, config.name)
@@ -119,6 +124,9 @@ class Node:
         self._models: dict[str, cm.LocalModel] = {}
         self._models_at = 0.0
         self._fetching: dict[tuple[str, int], tuple[int, int]] = {}
+        self._notices: deque[cm.ClusterEvent] = deque(maxlen=NOTICES_KEPT)
+        self._recording = threading.Lock()  # one background hashing of newly seen models at a time
+        self._record_after = 0.0  # monotonic: when the next background hashing may start
         self.master: Master | None = None  # while this node is master; only the loop thread touches it
         self.api: Any = None  # api.server.ApiServer when the node serves HTTP
         self.session: zenoh.Session | None = None
@@ -127,6 +135,8 @@ class Node:
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> Node:
+        if self.config.worker:  # before the first report: every model it lists has its digests recorded
+            record_imports(self.models_root)
         self.session = s = open_session([self.endpoint], list(self.config.peers), self.link)
         if self.config.api is not None:  # first: a port in use fails the start before anything runs
             try:
@@ -134,6 +144,9 @@ class Node:
             except OSError:
                 s.close()
                 raise
+        self.stage_weights = StageWeights(
+            s, self.config.namespace, self.node_id, self.models_root, self._rescan
+        )
         self.agent = (
             NodeAgent(
                 s,
@@ -147,7 +160,9 @@ class Node:
             if self.config.worker
             else None
         )
-        self.weights = WeightServer(s, self.config.namespace, self.node_id, self.models_root)
+        self.weights = WeightServer(
+            s, self.config.namespace, self.node_id, self.models_root, tamper=self._weight_tamper
+        )
         self._report_pub = s.declare_publisher(self.keys.report(self.node_id))
         self._view_pub = s.declare_publisher(self.keys.view)
         self._ballot_pub = s.declare_publisher(self.keys.ballot)
@@ -400,9 +415,47 @@ class Node:
                     except Exception as exc:
                         log.warning("model %s: %s", name, exc)
                         continue
-                found[name] = cm.LocalModel(full=p.full, start=p.start, end=p.end, footprint=fp)
+                found[name] = cm.LocalModel(
+                    full=p.full,
+                    start=p.start,
+                    end=p.end,
+                    footprint=fp,
+                    digest=p.digest,
+                    imported_at=p.imported_at,
+                )
             self._models, self._models_at = found, time.monotonic()
+            if any(m.full and not m.digest for m in found.values()):
+                self._record_later()
         return self._models
+
+    def _record_later(self) -> None:
+        """Hash models that appeared since the start beside the reports (a big one takes minutes): they are
+        listed without a digest, so never a source nor the truth, until then."""
+        if time.monotonic() < self._record_after or not self._recording.acquire(blocking=False):
+            return
+
+        def record() -> None:
+            try:
+                record_imports(self.models_root)
+            finally:
+                self._record_after = time.monotonic() + RECORD_RETRY_S
+                self._rescan()
+                self._recording.release()
+
+        threading.Thread(target=record, daemon=True, name="node-record").start()
+
+    def _rescan(self) -> None:
+        self._models_at = 0.0
+
+    def _notice(self, node: str, message: str, instance: str = "") -> None:
+        """A weights event of this node's own, in its next reports (the master's view shows it)."""
+        log.warning("%s", message)
+        with self.lock:
+            last = self._notices[-1].at if self._notices else 0.0
+            at = max(time.time(), last + 1e-6)  # strictly increasing: nodes fold each notice once
+            self._notices.append(
+                cm.ClusterEvent(at=at, kind="weights", node=node, instance=instance, message=message)
+            )
 
     def report(self) -> cm.NodeReport:
         held = 0
@@ -414,6 +467,7 @@ class Node:
                     pass
         with self.lock:
             term, instances = self.state.term, self.state.instances()
+            notices = [n for n in self._notices if time.time() - n.at < NOTICE_TTL_S]
         return cm.NodeReport(
             node_id=self.node_id,
             name=self.name,
@@ -427,6 +481,7 @@ class Node:
             runners=self.runner_infos(),
             term=term,
             instances=instances,
+            notices=notices,
         )
 
     def _reporter(self) -> None:
@@ -441,36 +496,15 @@ class Node:
     # ---- weights -------------------------------------------------------------------------------------------
 
     def _fetch(self, cmd: m.StartRunner, progress: Any) -> Path:
-        """The local directory of the command's model, with the stage's tensors: copied from a source node
-        when this node lacks them."""
+        """The local directory of the command's model with the stage's tensors, every byte checked against
+        the digest the command names: copied from a source node when this node's own copy is absent or bad."""
         spec = cmd.spec
-        local = self.models().get(spec.model)
-        target = self.models_root / spec.model
-        if local is not None and local.full:
-            return target
-        covers = local is not None and local.start <= spec.layer_start and spec.layer_end <= local.end
-        if covers and not (bad := verify_shard(target)):
-            return target
-        if covers:
-            log.warning("stage copy of %s is corrupt (%s): fetching it again", spec.model, ", ".join(bad[:3]))
-        sources = [n for n in cmd.sources if n != self.node_id]
-        if not sources:
-            raise RuntimeError(f"model {spec.model!r} is on no node of the cluster")
-        errors = []
-        for source in sources:
-            try:
-                path = fetch_shard(
-                    self.session,
-                    self.config.namespace,
-                    source,
-                    spec.model,
-                    spec.layer_start,
-                    spec.layer_end,
-                    self.models_root,
-                    progress=lambda done, total, src=source: progress(done, total, src),
-                )
-                self._models_at = 0.0  # rescan: the report now lists the stage
-                return path
-            except Exception as exc:
-                errors.append(f"{source}: {exc}")
-        raise RuntimeError("; ".join(errors))
+        return self.stage_weights.get(
+            spec.model,
+            spec.layer_start,
+            spec.layer_end,
+            cmd.digest,
+            cmd.sources,
+            progress,
+            notify=lambda node, message: self._notice(node, message, spec.instance),
+        )

@@ -3,7 +3,8 @@
 `apply` folds one event in; the decisions are pure functions of the state: `campaign`, `grant` and `count`
 (elections, cluster/election.py), `node_losses` (instances whose stages sit on nodes that left),
 `stale_runners` (runners a node must kill because the newest view no longer lists their generation),
-`capacities` (what placement may use).
+`capacities` (what placement may use), `expected_digest` and `sources` (what a model's copies must be, and
+who holds such a copy).
 Shells (node.py, master.py) turn them into effects.
 """
 
@@ -92,6 +93,8 @@ class ClusterState:
     voted_for: str | None = None
     candidacy: Candidacy | None = None
     deferred: cm.Claim | None = None  # refused while the sitting master seemed alive: reconsidered each step
+    # node -> the time of its newest notice folded in: a notice repeats in its reports, it is logged once
+    notice_marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_master(self) -> bool:
@@ -126,6 +129,7 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
                 state.alive.add(r.node_id)
                 state.departed.pop(r.node_id, None)
                 happened.append(cm.ClusterEvent(at=now_wall, kind="join", node=r.node_id))
+            happened += new_notices(state, r)
         if r.term > state.term and state.master is not None and state.master not in state.alive:
             state.term = r.term  # a master we never heard of came and went: learn its term
     elif isinstance(event, Tick):
@@ -152,6 +156,15 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
                 state.candidacy = None  # someone won this term or a later one
     state.events.extend(happened)
     return happened
+
+
+def new_notices(state: ClusterState, report: cm.NodeReport) -> list[cm.ClusterEvent]:
+    """The report's notices not folded in yet (a node's notices come in time order), marking them seen."""
+    mark = state.notice_marks.get(report.node_id, float("-inf"))
+    fresh = sorted((n for n in report.notices if n.at > mark), key=lambda n: n.at)
+    if fresh:
+        state.notice_marks[report.node_id] = fresh[-1].at
+    return fresh
 
 
 def members(state: ClusterState) -> frozenset[str]:
@@ -300,10 +313,26 @@ def footprint(state: ClusterState, model: str) -> ModelFootprint | None:
     return None
 
 
-def sources(state: ClusterState, model: str) -> list[str]:
-    """Live nodes holding the whole model: where a node without it fetches its stage."""
+def expected_digest(state: ClusterState, model: str) -> str | None:
+    """The digest every copy of `model` must have: the one recorded by its first importer among the live
+    nodes holding it whole (the earliest record; the lowest node id between equal times). None while no such
+    node has recorded one. From reports only: a new master finds the same."""
+    holders = [
+        (m.imported_at, n, m.digest)
+        for n, r in state.reports.items()
+        if n in state.alive | {state.me} and (m := r.models.get(model)) and m.full and m.digest
+    ]
+    return min(holders)[2] if holders else None
+
+
+def sources(state: ClusterState, model: str, digest: str | None = None) -> list[str]:
+    """Live nodes holding the whole model (with `digest`, when given): where a node without it fetches its
+    stage. A holder of another version is never a source."""
     return [
         n
         for n, r in sorted(state.reports.items())
-        if n in state.alive | {state.me} and (m := r.models.get(model)) and m.full
+        if n in state.alive | {state.me}
+        and (m := r.models.get(model))
+        and m.full
+        and (digest is None or m.digest == digest)
     ]

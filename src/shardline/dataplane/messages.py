@@ -360,6 +360,7 @@ class StartRunner(Wire):
     sources: list[str] = []  # nodes holding the model's files, for a node that lacks them
     term: int = 0  # the master's term: a node obeys the highest it has seen
     view_seq: int = 0  # the master's newest view when it decided this: later views list the runner
+    digest: str = ""  # the model digest its weights must have, local copy or fetched (never loaded unchecked)
 
 
 class StopGeneration(Wire):

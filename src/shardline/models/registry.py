@@ -131,8 +131,13 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
         return target
     with _import_lock(target):
         if not _is_current(target, source):  # another process may have finished meanwhile
+            # Here, not in the cluster package's import: its digests are what this import wrote, once.
+            from shardline.cluster.weights.manifest import record_import, record_path
+
             _remove_stale_temps(target)
+            record_path(target).unlink(missing_ok=True)  # the old version's, never the new one's truth
             import_gguf(source, target, progress=progress, overwrite=True)
+            record_import(target, name, replace=True)
     validate_model_dir(target)
     return target
 

@@ -152,6 +152,8 @@ class LocalCluster:
     models_dir: Path
     extra: list[str] = field(default_factory=list)
     node_extra: dict[str, list[str]] = field(default_factory=dict)  # flags of one node only
+    # node id -> what runs it instead of `-m shardline` (a test-only launcher: testing/tampering_node.py)
+    launchers: dict[str, list[str]] = field(default_factory=dict)
     runners: dict = field(default_factory=lambda: dict(FAST_RUNNERS))
     namespace: str = "shardline"
     api: bool = False  # nodes serve HTTP (on ports they choose; NodeProc.api says which)
@@ -184,7 +186,8 @@ class LocalCluster:
         return {**env, KEY_ENV: key} if key is not None else env
 
     def argv(self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None) -> list[str]:
-        argv = [sys.executable, "-m", "shardline", "-v", "node", "--listen", listen, "--name", node_id]
+        launcher = self.launchers.get(node_id, ["-m", "shardline"])
+        argv = [sys.executable, *launcher, "-v", "node", "--listen", listen, "--name", node_id]
         argv += ["--api-port", "0"] if self.api else ["--no-api"]
         argv += ["--data-dir", str(self.root / node_id), "--models-dir", str(models_dir or self.models_dir)]
         argv += ["--namespace", self.namespace, "--threads", "1", "--prefill-step", "8", "--lease-ms", "2000"]

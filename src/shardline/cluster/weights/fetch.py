@@ -1,4 +1,10 @@
-"""Copying a stage's tensors from a peer: resumable, in parallel chunks, each tensor checked by its hash."""
+"""Copying a stage's tensors from a peer: resumable, in parallel chunks, each tensor checked by its hash.
+
+With `expected` (the model digest the master names), the source's manifest must be a whole model's whose
+digest is that one: the hashes every byte is then checked against are the model's, not whatever the source
+says. A source that fails any check is refused (`SourceRefusedError`); what was already verified stays in
+the working directory, so a fetch from the next holder resumes from there.
+"""
 
 from __future__ import annotations
 
@@ -17,12 +23,17 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 import zenoh
 from pydantic import ValidationError
 
-from shardline.cluster.weights.errors import ModelNotOnSourceError, SourceUnavailableError, WeightsError
+from shardline.cluster.weights.errors import (
+    ModelNotOnSourceError,
+    SourceRefusedError,
+    SourceUnavailableError,
+    WeightsError,
+)
 from shardline.cluster.weights.files import (
     HASH_BLOCK,
     NAME,
@@ -38,6 +49,7 @@ from shardline.cluster.weights.manifest import (
     SourceInfo,
     StageSpan,
     TensorEntry,
+    derive_layout,
     read_shard_manifest,
     tensors_for,
 )
@@ -174,7 +186,12 @@ def _check_manifest(m: Manifest, node: str) -> None:
         if not name or len(name) > 500 or any(ord(c) < 32 for c in name):
             raise WeightsError(f"node {node} lists a tensor with a forbidden name {name!r}")
         item = _ITEMSIZE.get(t.dtype)
-        if any(d < 0 for d in t.shape) or (item is not None and math.prod(t.shape) * item != t.bytes):
+        if item is None:  # fail closed: a size that cannot be checked is an allocation taken on trust
+            raise WeightsError(
+                f"node {node}: tensor {name} has dtype {t.dtype!r}, which this node does not know, so its "
+                f"size cannot be checked (known: {', '.join(_ITEMSIZE)})"
+            )
+        if any(d < 0 for d in t.shape) or math.prod(t.shape) * item != t.bytes:
             raise WeightsError(f"node {node}: tensor {name} {t.dtype}{t.shape} cannot be {t.bytes} bytes")
     if m.num_layers <= 0:
         raise WeightsError(f"node {node}: model {m.model} has no layers")
@@ -233,7 +250,9 @@ class _Fetch:
         self.chunk_bytes = chunk_bytes
         self.done: list[set[int]] = [set() for _ in self.plan]
         self.ok: set[int] = set()
-        self.attempts: dict[str, int] = {}
+        # Tensors with chunks from an earlier run, not yet checked: a crash may have lost some of their bytes,
+        # so a mismatch there is ours and they come again; a mismatch of bytes all sent now is the source's.
+        self.resumed: set[int] = set()
         self.total = sum(e.bytes for _, e in self.plan) + sum(f.size for f in self.files.values())
         self.received = 0  # bytes accounted as in place (for progress)
         self.fd: int | None = None
@@ -292,6 +311,7 @@ class _Fetch:
                 continue  # a line cut short by a crash: that chunk simply comes again
         for t in self.ok:
             self.done[t] = set(range(self.chunks_of(t)))  # checked whole, also when copied from a local copy
+        self.resumed = {t for t in range(len(self.plan)) if self.done[t] and t not in self.ok}
         resumed = sum(self._tensor_done_bytes(t) for t in range(len(self.plan)))
         self.stats.bytes_resumed += resumed
         self.received += resumed
@@ -323,20 +343,42 @@ class _Fetch:
         name, e = self.plan[t]
         if hash_range(self.fd, len(self.header) + self.offsets[t], e.bytes) == e.sha256:
             self.ok.add(t)
+            self.resumed.discard(t)
             self.log.write(f"ok {t}\n")
             return True
-        # Wrong bytes from the wire or the disk: fetch the whole tensor again, a bounded number of times.
-        self.attempts[name] = self.attempts.get(name, 0) + 1
-        if self.attempts[name] > self.src.retries:
-            raise WeightsError(
-                f"tensor {name} of {self.src.model} from node {self.src.node} does not match its sha256 "
-                f"after {self.attempts[name]} fetches: the source's copy is corrupt (check it with verify)"
-            )
+        if t not in self.resumed:
+            self.refuse(f"tensor {name} does not match its sha256 (its copy there is corrupt or altered)")
+        self.resumed.discard(t)  # bytes left by an interrupted run: fetch the whole tensor again, once
         self.stats.refetched.append(name)
         self.done[t].clear()
         self.log.write(f"bad {t}\n")
         self.total += e.bytes  # keeps (done, total) monotonic: the bytes come again
         return False
+
+    def refuse(self, why: str) -> NoReturn:
+        """Give the source up: unchecked chunks are forgotten (the next source sends them again)."""
+        for t in range(len(self.plan)):
+            if t not in self.ok and self.done[t]:
+                self.done[t].clear()
+                if self.log is not None:
+                    self.log.write(f"bad {t}\n")
+        raise SourceRefusedError(self.src.node, self.src.model, why)
+
+    def check_layout(self) -> None:
+        """The layer count and head tying the plan used must be what the (checked) config.json and tensor
+        names say. Only a whole model's can be derived so: a stage holder lists only some tensors."""
+        if self.manifest.layers is not None:
+            return
+        try:
+            config = json.loads((self.work / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            self.refuse(f"its config.json is missing or unreadable ({exc})")
+        if not isinstance(config, dict):
+            self.refuse("its config.json is not an object")
+        claimed = (self.manifest.num_layers, self.manifest.tied)
+        derived = derive_layout(config, self.manifest.tensors)
+        if claimed != derived:
+            self.refuse(f"it claims (layers, tied) = {claimed}, its config and tensors say {derived}")
 
     # -- the work
 
@@ -388,21 +430,15 @@ class _Fetch:
                 self.stats.bytes_reused += f.size
                 self.report()
                 continue
-            for attempt in range(self.src.retries + 1):
-                data = bytearray()
-                while len(data) < f.size:
-                    n = min(self.chunk_bytes, f.size - len(data))
-                    req = ChunkRequest(name=name, offset=len(data), length=n, digest=self.digest)
-                    data += self.src.chunk("file", req, n)
-                    self.stats.chunks += 1
-                self.stats.bytes_received += len(data)
-                if hashlib.sha256(data).hexdigest() == f.sha256:
-                    break
-                self.stats.refetched.append(name)
-                if attempt == self.src.retries:
-                    raise WeightsError(
-                        f"file {name} of {self.src.model} from node {self.src.node} does not match its sha256"
-                    )
+            data = bytearray()
+            while len(data) < f.size:
+                n = min(self.chunk_bytes, f.size - len(data))
+                req = ChunkRequest(name=name, offset=len(data), length=n, digest=self.digest)
+                data += self.src.chunk("file", req, n)
+                self.stats.chunks += 1
+            self.stats.bytes_received += len(data)
+            if hashlib.sha256(data).hexdigest() != f.sha256:
+                self.refuse(f"file {name} does not match its sha256 (its copy there is corrupt or altered)")
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
@@ -469,7 +505,7 @@ class _Fetch:
             files=self.files,
             tensors=tensors,
             layers=self.span,
-            source=SourceInfo(node=self.src.node, digest=self.digest),
+            source=SourceInfo(node=self.src.node, digest=self.manifest.model_digest()),
         )
         shard.stamps = current_stamps(self.work, [WEIGHTS_FILE, *self.files]) or {}
         (self.work / SHARD_MANIFEST).write_text(shard.model_dump_json(indent=1))
@@ -499,6 +535,7 @@ def fetch_shard(
     min_rate_bps: float = 1 << 20,
     discover_s: float = 5.0,
     stats: FetchStats | None = None,
+    expected: str | None = None,
 ) -> Path:
     """Fetch the tensors of layers [start, end) of `model` from `source_node` into `dest_root/model`.
 
@@ -507,6 +544,8 @@ def fetch_shard(
     (a source hashes a model it never hashed before); each chunk's deadline is 5 s plus its size at
     `min_rate_bps`, with `retries` more tries. `discover_s`: how long to wait for the source to be routed.
     An existing stage directory is checked and repaired: only tensors that differ travel.
+    `expected`: the model digest the copy must have (a source that cannot prove it is refused); None checks
+    the bytes against the source's own manifest only (tools and tests of the transfer itself).
     """
     check_name("model", model)
     check_name("node", source_node)
@@ -519,6 +558,8 @@ def fetch_shard(
     src = _Source(session, namespace, source_node, model, retries, min_rate_bps)
     manifest = src.manifest(timeout_s, discover_s)
     _check_manifest(manifest, source_node)
+    if expected is not None:
+        _check_digest(manifest, source_node, model, expected)
     total = manifest.num_layers
     if not 0 <= start < end <= total:
         raise ValueError(f"bad layer range [{start}, {end}) for {model} with {total} layers")
@@ -549,6 +590,7 @@ def fetch_shard(
             if final.exists():
                 job.seed_from(final)
             job.fetch_files()
+            job.check_layout()
             job.fetch_tensors(parallel)
             job.finish(final)
         finally:
@@ -563,14 +605,30 @@ def fetch_shard(
     return final
 
 
+def _check_digest(manifest: Manifest, node: str, model: str, expected: str) -> None:
+    """The source describes the very model the cluster expects: else its hashes prove nothing."""
+    if manifest.layers is not None:
+        # A stage holder's manifest lists only its tensors: the model digest cannot be recomputed from it.
+        raise SourceRefusedError(node, model, "it holds one stage only, which cannot be checked")
+    if (digest := manifest.digest()) != expected:
+        raise SourceRefusedError(
+            node,
+            model,
+            f"its copy has digest {digest[:12]}, not the expected {expected[:12]} (another version, "
+            "or altered since its import)",
+        )
+
+
 def _up_to_date(final: Path, job: _Fetch) -> bool:
     """The stage directory already holds exactly this plan, intact."""
     try:
         old = read_shard_manifest(final)
     except WeightsError:
         return False
+    # Another model digest with the same tensors (a version that differs elsewhere): rewritten, from itself.
     same = (
         old.layers == job.span
+        and old.model_digest() == job.manifest.model_digest()
         and {n: e.sha256 for n, e in old.tensors.items()} == {n: e.sha256 for n, e in job.plan}
         and {n: f.sha256 for n, f in old.files.items()} == {n: f.sha256 for n, f in job.files.items()}
     )

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +20,10 @@ from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply, key_pre
 
 log = logging.getLogger("shardline.weights")
 
+# (model, kind, name, offset, bytes read) -> bytes sent: a test-only fault on the serving side. Only Python
+# code can set it (shardline.testing.tampering_node); no flag, variable or message of a shipped node does.
+Tamper = Callable[[str, str, str, int, bytes], bytes]
+
 
 class _Refused(Exception):
     def __init__(self, code: str, message: str) -> None:
@@ -30,9 +35,17 @@ class WeightServer:
     """Answers weight queries for every model under `models_root` (whole models and fetched stages)."""
 
     def __init__(
-        self, session: zenoh.Session, namespace: str, node_id: str, models_root: Path, workers: int = 4
+        self,
+        session: zenoh.Session,
+        namespace: str,
+        node_id: str,
+        models_root: Path,
+        workers: int = 4,
+        *,
+        tamper: Tamper | None = None,
     ) -> None:
         check_name("node", node_id)
+        self._tamper = tamper
         self.models_root = Path(models_root)
         self.node_id = node_id
         self._prefix = key_prefix(namespace, node_id) + "/"
@@ -112,6 +125,8 @@ class WeightServer:
             os.close(fd)
         if len(data) != n:
             raise _Refused("internal", f"{path} is shorter than its manifest says")
+        if self._tamper is not None:
+            data = self._tamper(model, kind, req.name, req.offset, data)
         return data
 
     def _dir_state(self, model_dir: Path) -> object:

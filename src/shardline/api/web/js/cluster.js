@@ -190,7 +190,9 @@ function removeButton(instance, onRemove) {
   return wrap;
 }
 
-const SHOWN = new Set(["failure", "recovered", "failed", "leave", "join", "placed", "ready", "removed", "master"]);
+const SHOWN = new Set([
+  "failure", "recovered", "failed", "leave", "join", "placed", "ready", "removed", "master", "weights",
+]);
 
 export function renderTimeline(container, events) {
   const shown = events.filter((e) => SHOWN.has(e.kind));
@@ -208,7 +210,7 @@ export function renderTimeline(container, events) {
           const after = rows.slice(0, i).reverse().find((r) => r.kind === "recovered" && r.instance === e.instance);
           if (after && after.pause_s !== null && after.pause_s !== undefined) pause = after.pause_s;
         }
-        const tone = { failure: "bad", failed: "bad", leave: "warn", recovered: "ok", ready: "ok" }[e.kind] || "";
+        const tone = { failure: "bad", failed: "bad", weights: "bad", leave: "warn", recovered: "ok", ready: "ok" }[e.kind] || "";
         return h(
           "li",
           { class: `event ${tone}`, "data-kind": e.kind },

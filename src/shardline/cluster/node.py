@@ -47,6 +47,7 @@ API_URL_FILE = "api-url"
 EVENTS_CAPACITY = 10_000
 NOTICES_KEPT = 8  # the node's newest own events, repeated in its reports
 NOTICE_TTL_S = 300.0  # ... for this long: a node that joins later need not learn old news
+PEER_WAIT_S = 10.0  # a node with named peers campaigns alone only after this long without a link to one
 RECORD_RETRY_S = 60.0  # a model that could not be hashed (still being copied in) is tried again after this
 
 
@@ -127,6 +128,7 @@ class Node:
         self._notices: deque[cm.ClusterEvent] = deque(maxlen=NOTICES_KEPT)
         self._recording = threading.Lock()  # one background hashing of newly seen models at a time
         self._record_after = 0.0  # monotonic: when the next background hashing may start
+        self._met_at: float | None = None  # monotonic: when a link to a named peer was first up
         self.master: Master | None = None  # while this node is master; only the loop thread touches it
         self.api: Any = None  # api.server.ApiServer when the node serves HTTP
         self.session: zenoh.Session | None = None
@@ -174,6 +176,9 @@ class Node:
         ]
         self._token = s.liveliness().declare_token(self.keys.alive(self.node_id))
         self._enqueue(cs.Alive(self.node_id))
+        # The settle window opens now, when the node can hear others: measuring, hashing and the API's start
+        # must not use it up, or a joining node campaigns alone before it hears the sitting master.
+        self.started_mono = time.monotonic()
         for target, name in ((self._loop, "node-loop"), (self._reporter, "node-report")):
             t = threading.Thread(target=target, daemon=True, name=name)
             t.start()
@@ -308,7 +313,7 @@ class Node:
                     happened += cs.apply(self.state, e, now)
             if (vote := cs.reconsider(self.state)) is not None:
                 ballots.append(vote)
-            settled = mono - self.started_mono >= self.config.settle_s
+            settled = self._settled(mono)
             if (claim := cs.campaign(self.state, settled, mono, self._patience())) is not None:
                 log.info("node %s asks for votes for term %d", self.node_id, claim.term)
                 ballots.append(claim)
@@ -366,6 +371,21 @@ class Node:
             log_events=self._log_events,
             reuse=r.reuse_survivors,
         )
+
+    def _settled(self, mono: float) -> bool:
+        """Whether this node has listened long enough for a sitting master: settle_s after start, and, when
+        peers were named, settle_s after the first link to one came up (or PEER_WAIT_S without any: named
+        peers that never answer do not keep a node masterless for ever)."""
+        unmet = self.config.peers and self._met_at is None and self.session is not None
+        if unmet and any(True for _ in self.session.info.peers_zid()):  # type: ignore[union-attr]
+            self._met_at = mono
+        if mono - self.started_mono < self.config.settle_s:
+            return False
+        if not self.config.peers:
+            return True
+        if self._met_at is None:
+            return mono - self.started_mono >= PEER_WAIT_S
+        return mono - self._met_at >= self.config.settle_s
 
     def _patience(self) -> float:
         """How long a campaign waits for votes: a few report periods (voters judge the old master dead on

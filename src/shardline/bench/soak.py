@@ -204,7 +204,8 @@ class Soak:
         self.orphaned_since: dict[int, float] = {}  # runner pid -> when it was first seen without its node
         self.run_id = ""
         self.t0 = time.monotonic()
-        self.rss: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self.rss: dict[str, list[tuple[float, int]]] = defaultdict(list)  # node daemon alone
+        self.runner_rss: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)  # (node, pid)
         self.masters: dict[int, set[str]] = defaultdict(set)
         self.orphans: dict[int, str] = {}  # pid -> when it was found
         self.expected: dict[int, str] = {}
@@ -554,8 +555,8 @@ class Soak:
     def sampler(self) -> None:
         k = 0
         while not self.stop.is_set():
-            for nid in self.ids:
-                r = _get(self.api(nid) + "/health", 1.0)
+            for nid in self.ids:  # the master and term each node follows (/state: open to any client)
+                r = _get(self.api(nid) + "/state", 2.0)
                 if r is not None and r.status_code == 200:
                     h = r.json()
                     if h.get("master") is not None:
@@ -565,17 +566,36 @@ class Soak:
                 for nid, n in self.cluster.nodes.items():
                     if n.proc is None or n.proc.poll() is not None:
                         continue
+                    # Apart: a node's runners move between nodes as stages are re-placed, so a node's total
+                    # says where the stages are, not whether anything leaks.
                     try:
                         root = psutil.Process(n.proc.pid)
-                        rss = root.memory_info().rss + sum(
-                            c.memory_info().rss for c in root.children(recursive=True)
-                        )
+                        self.rss[nid].append((now, root.memory_info().rss))
+                        for c in root.children(recursive=True):
+                            self.runner_rss[(nid, c.pid)].append((now, c.memory_info().rss))
                     except psutil.Error:
                         continue
-                    self.rss[nid].append((now, rss))
                 self._check_orphans()
             k += 1
             self.stop.wait(1.0)
+
+    def runner_ratios(self, t_start: float, t_end: float) -> dict[str, float]:
+        """Each runner process that lived through most of the run: the mean RSS of the last fifth of its
+        samples over the first fifth (its first minute, warm-up and first allocations, left out)."""
+        out = {}
+        for (nid, pid), samples in sorted(self.runner_rss.items()):
+            if not samples or samples[-1][0] - samples[0][0] < 0.6 * (t_end - t_start):
+                continue
+            steady = [
+                (t, v)
+                for t, v in samples
+                if t - samples[0][0] >= min(RESTART_EXCLUDE_S, 0.2 * (t_end - t_start))
+            ]
+            fifth = max(1, len(steady) // 5)
+            first, last = [v for _, v in steady[:fifth]], [v for _, v in steady[-fifth:]]
+            if first and last:
+                out[f"{nid}/{pid}"] = round(statistics.mean(last) / statistics.mean(first), 3)
+        return out
 
     def rss_ratio(self, nid: str, t_start: float, t_end: float) -> float | None:
         span = t_end - t_start
@@ -668,6 +688,7 @@ class Soak:
             "http_5xx": c.http_5xx,
             "leaked_slots": leaked,
             "rss_growth_ratio": ratios,
+            "runner_rss_growth_ratio": self.runner_ratios(self.t0, t_end),
             "orphan_processes": len(self.orphans),
             "masters_per_term_max": max((len(v) for v in self.masters.values()), default=None),
             "terms_seen": sorted(self.masters),
@@ -694,6 +715,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _targets(r: dict[str, Any]) -> dict[str, bool | None]:
     rss = [v for v in (r["rss_growth_ratio"] or {}).values() if v is not None]
+    rss += list((r.get("runner_rss_growth_ratio") or {}).values())
     return {
         "requests_lost": r["requests_lost"] == 0,
         "http_5xx": r["http_5xx"] == 0,

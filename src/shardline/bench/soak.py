@@ -89,6 +89,7 @@ class Counts:
     refused: int = 0
     unreachable: int = 0
     cut: int = 0
+    cut_by_flap: int = 0
     http_5xx: int = 0
     disconnects: int = 0
     kills: int = 0
@@ -200,6 +201,7 @@ class Soak:
         self.apis: dict[str, str] = {}
         self.api_lock = threading.Lock()
         self.kill_times: dict[str, list[float]] = defaultdict(list)  # node -> when it was SIGKILLed
+        self.flaps: dict[str, list[tuple[float, float]]] = defaultdict(list)  # node -> (down, up) times
         self.restarts: dict[str, list[float]] = defaultdict(list)  # node -> when it was restarted
         self.orphaned_since: dict[int, float] = {}  # runner pid -> when it was first seen without its node
         self.run_id = ""
@@ -303,6 +305,16 @@ class Soak:
             r = oai.chat.completions.create(**self._body(i))
             self.expected[i] = r.choices[0].message.content or ""
 
+    def _refused_after_flap(self, node_id: str, start: float, cause: BaseException | None) -> bool:
+        """A request that found its pooled connection to a node closed by the node while the node's link
+        was down: the server's keep-alive timer (5 s) ran out during the flap, and its FIN reached the
+        client only after the request went out on that connection. The node never received the request
+        ("Server disconnected without sending a response": no byte of an answer), so it is not lost; a
+        client retries it as it would any request refused on a stale connection."""
+        if type(cause).__name__ != "RemoteProtocolError" or "without sending a response" not in str(cause):
+            return False
+        return any(down <= start and start - up <= 30.0 for down, up in self.flaps.get(node_id, []))
+
     def _killed_during(self, node_id: str, start: float) -> bool:
         now = time.monotonic()
         return any(start - 0.5 <= t <= now for t in self.kill_times.get(node_id, []))
@@ -349,6 +361,9 @@ class Soak:
                     continue
                 if self._killed_during(nid, sent):
                     self.c.add(cut=1)
+                elif self._refused_after_flap(nid, sent, cause):
+                    self.c.add(cut_by_flap=1)
+                    continue  # never received: the next node takes it
                 elif isinstance(exc, openai.APITimeoutError):
                     self.c.lose(f"{nid} timeout after {time.monotonic() - sent:.1f}s", timed_out=1)
                 else:
@@ -456,11 +471,13 @@ class Soak:
         assert self.lab is not None and isinstance(self.cluster, LabCluster)
         host = self.cluster.hosts[nid]
         self.c.add(link_flaps=1)
+        down = time.monotonic()
         self.lab.link_down(host)
         try:
             self.stop.wait(down_s)
         finally:
             self.lab.link_up(host)
+            self.flaps[nid].append((down, time.monotonic()))
         return time.monotonic()
 
     def fault(self, rng: random.Random) -> None:
@@ -685,6 +702,7 @@ class Soak:
             "refused": c.refused,
             "unreachable": c.unreachable,
             "cut_by_node_kill": c.cut,
+            "stale_connection_after_flap": c.cut_by_flap,
             "http_5xx": c.http_5xx,
             "leaked_slots": leaked,
             "rss_growth_ratio": ratios,

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +25,14 @@ FAST = FAST_RUNNERS
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models folder holding the tiny llama as `tiny-llama`, as a node's --models-dir."""
+    root = tmp_path_factory.mktemp("models")
+    shutil.copytree(tiny_models["llama"], root / "tiny-llama")
+    return root
 
 
 def runner_pids(engine: Engine) -> list[int]:
@@ -113,6 +122,32 @@ def serving_cluster(
         pids = c.all_pids()
         c.close()
         assert_no_runner_left(pids)
+
+
+def api_state(api: str) -> dict:
+    """A node's /state, or {} while it does not answer."""
+    import httpx
+
+    try:
+        return httpx.get(api + "/state", timeout=10).json()
+    except httpx.TransportError:
+        return {}
+
+
+def place_and_wait_ready(api: str, model: str, nodes: int, timeout: float) -> dict:
+    """Once `nodes` are alive, place `model` through the node's HTTP API; its instance record once ready."""
+    import httpx
+
+    wait_for(lambda: sum(n["alive"] for n in api_state(api).get("nodes", [])) == nodes, 60, f"{nodes} nodes")
+    placed = httpx.post(api + "/instances", json={"model": model}, timeout=120)
+    assert placed.status_code == 201, placed.text
+    instance = placed.json()["instance"]
+
+    def ready() -> dict | None:
+        rec = next((r for r in api_state(api).get("instances", []) if r["instance"] == instance), None)
+        return rec if rec and rec["phase"] == "ready" else None
+
+    return wait_for(ready, timeout, "the instance ready")
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,15 @@
 """A request streaming through the HTTP API while the node holding one of its stages is SIGKILLed completes
 with the fault-free text: the front on the API's node holds the request and resumes it on the rebuilt
-instance."""
+instance; the same on a keyed cluster whose third node copies its stage's weights over keyed links."""
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
-from conftest import serving_cluster, wait_for
+from conftest import api_state, place_and_wait_ready, serving_cluster
 
 from shardline.testing.cluster import LocalCluster
 
@@ -25,26 +24,36 @@ def cluster(tmp_path, model_dir) -> Iterator[LocalCluster]:
         yield c
 
 
-def _state(api: str) -> dict:
-    try:
-        return httpx.get(api + "/state", timeout=10).json()
-    except httpx.TransportError:
-        return {}
+KEY = "a-keyed-cluster-0451"
+
+
+@pytest.fixture
+def keyed(tmp_path, model_dir) -> Iterator[LocalCluster]:
+    """The same with a cluster key, and k3 holding no model: its stage's weights come over keyed links."""
+    with serving_cluster(tmp_path, ["k1", "k2"], model_dir, {"k1": ["--no-worker"]}, key=KEY) as c:
+        empty = tmp_path / "empty-models"
+        empty.mkdir()
+        c.add("k3", models_dir=empty)
+        yield c
 
 
 @pytest.mark.timeout(300)
 def test_request_in_flight_survives_sigkill_of_a_stage_node(cluster):
+    _survives_a_stage_node_kill(cluster)
+
+
+@pytest.mark.timeout(360)
+def test_keyed_cluster_copies_weights_serves_and_survives_a_node_kill_with_exact_text(keyed):
+    _survives_a_stage_node_kill(keyed)
+    assert any((keyed.root / "empty-models" / MODEL).iterdir())  # k3's copy landed beside its models
+
+
+def _survives_a_stage_node_kill(cluster: LocalCluster) -> None:
+    """Through k1's HTTP API (it holds no stage): the node of the last stage is SIGKILLed mid-stream, and
+    the stream goes on to the exact fault-free text."""
     api = cluster.nodes["k1"].api
-    wait_for(lambda: sum(n["alive"] for n in _state(api).get("nodes", [])) == 3, 60, "3 nodes")
-    placed = httpx.post(api + "/instances", json={"model": MODEL}, timeout=120)
-    assert placed.status_code == 201, placed.text
-    instance = placed.json()["instance"]
-
-    def ready() -> dict | None:
-        rec = next((r for r in _state(api).get("instances", []) if r["instance"] == instance), None)
-        return rec if rec and rec["phase"] == "ready" else None
-
-    rec = wait_for(ready, 180, "the instance ready")
+    rec = place_and_wait_ready(api, MODEL, 3, 240)
+    instance = rec["instance"]
     assert {s["node_id"] for s in rec["stages"]} == {"k2", "k3"}
     victim = rec["stages"][-1]["node_id"]
 
@@ -70,7 +79,7 @@ def test_request_in_flight_survives_sigkill_of_a_stage_node(cluster):
     assert "".join(parts) == expected
     assert finish == reference.choices[0].finish_reason
 
-    state = _state(api)
+    state = api_state(api)
     rec = next(r for r in state["instances"] if r["instance"] == instance)
     assert rec["recoveries"] >= 1
     assert any(e["kind"] == "failure" for e in state["events"])

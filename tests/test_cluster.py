@@ -27,13 +27,6 @@ SMALL = PlacementRequest(sequences=2, reserve_tokens=512, hop_cost_fraction=0.0)
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    shutil.copytree(tiny_models["llama"], root / "tiny-llama")
-    return root
-
-
-@pytest.fixture(scope="module")
 def reference(models) -> Reference:
     return Reference(models / "tiny-llama")
 

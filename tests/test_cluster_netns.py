@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -337,13 +336,6 @@ class Lab:
         assert_no_runner_left(pids)
         left = set(names) & set(list_netns())
         assert not left, f"namespaces left: {left}"
-
-
-@pytest.fixture(scope="module")
-def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    shutil.copytree(tiny_models["llama"], root / "tiny-llama")
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,16 @@
 """Who may be part of a cluster: the key and TLS for every session (nodes, runners, clients), commands that
 no master may give, names that cannot escape, and what an intruder without the key can do (nothing).
-Real node daemons on loopback with a tiny model; the default model in test_trust_default_model.py."""
+Real node daemons on loopback with a tiny model; the default model in test_api_recovery.py (a keyed cluster
+surviving a node kill)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
@@ -128,13 +127,6 @@ def test_names_that_could_escape_are_malformed():
 
 
 # ---- a keyed cluster of real daemons ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    shutil.copytree(tiny_models["llama"], root / "tiny-llama")
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -596,6 +596,18 @@ class Soak:
             k += 1
             self.stop.wait(1.0)
 
+    def rss_series(self) -> dict[str, list[float]]:
+        """Each node daemon's RSS in MB, one sample a minute from the first: whether growth levels off."""
+        out = {}
+        for nid, samples in sorted(self.rss.items()):
+            series, next_t = [], samples[0][0] if samples else 0.0
+            for t, v in samples:
+                if t >= next_t:
+                    series.append(round(v / 2**20, 1))
+                    next_t = t + 60.0
+            out[nid] = series
+        return out
+
     def runner_ratios(self, t_start: float, t_end: float) -> dict[str, float]:
         """Each runner process that lived through most of the run: the mean RSS of the last fifth of its
         samples over the first fifth (its first minute, warm-up and first allocations, left out)."""
@@ -707,6 +719,7 @@ class Soak:
             "leaked_slots": leaked,
             "rss_growth_ratio": ratios,
             "runner_rss_growth_ratio": self.runner_ratios(self.t0, t_end),
+            "rss_mb_each_minute": self.rss_series(),
             "orphan_processes": len(self.orphans),
             "masters_per_term_max": max((len(v) for v in self.masters.values()), default=None),
             "terms_seen": sorted(self.masters),

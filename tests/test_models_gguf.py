@@ -160,7 +160,9 @@ def write_tiny_gguf(
 
 
 def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock"))
+    """Hidden files an import left behind: temps, never its lock or its digest record (kept on purpose)."""
+    kept = (".lock", ".digests.json")
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and not p.name.endswith(kept))
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -38,6 +38,7 @@ def stub_leader() -> tuple[Leader, Events]:
         events=events,
         inbox=SimpleNamespace(drop=lambda why: None),
         downstream=None,
+        received={},
     )
     return Leader(runner), events  # type: ignore[arg-type]
 
@@ -209,6 +210,57 @@ def test_a_fault_still_seen_is_reported_again_until_a_new_generation_serves(monk
                 faults.append(time.monotonic())
         # Repeated, but not on every beat: at most once per REPORT_AGAIN_S.
         assert all(b - a >= 0.15 for a, b in itertools.pairwise(faults)), faults
+    finally:
+        front.close()
+        events.close()
+        reports.close()
+        control.close()
+        session.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_submit_lost_on_the_way_is_reported_once_its_transport_deadline_passes(monkeypatch: Any) -> None:
+    """A link that drops what it holds (a flap) can lose a Submit with no later message to reveal the gap:
+    the leader's beats say what reached its process, so the front reports it after SUBMIT_LOST_S, not
+    never; while the deadline has not passed, or once the Submit is received, nothing is reported."""
+    import time
+
+    from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, open_session
+    from shardline.front import front as front_module
+    from shardline.front.front import Front, ModelLimits
+
+    monkeypatch.setattr(front_module, "SUBMIT_LOST_S", 1.0)
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    keys = Keys(f"lostsubmit-{id(session)}")
+    control = Inbox(session, 1, name="leader")  # a leader listens; its beats say the Submit never came
+    control.subscribe(keys.at(1).control, m.CONTROL, "control")
+    reports = Inbox(session, name="master")
+    reports.subscribe(keys.reports, m.STATUS, "reports")
+    events = Outbox(session, keys.at(1).events, 1)
+    front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
+    try:
+        front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+        assert front.serving.wait(10)
+        events.wait_matched(10)
+        sent = time.monotonic()
+        front.submit([1, 2, 3], max_tokens=4, request_id="r1")
+        lost = m.LeaderBeat(seen={}, requests=[], received={})
+        old_leader = m.LeaderBeat(seen={}, requests=[])  # no `received`: cannot tell lost from slow
+        got = None
+        deadline = sent + 10
+        while got is None:
+            assert time.monotonic() < deadline, "no fault report within 10 s"
+            events.send(old_leader)
+            events.send(lost)
+            try:
+                msg = reports.get(timeout=0.05).message
+            except DeadlineExceeded:
+                continue
+            if isinstance(msg, m.GenerationFault):
+                got = (msg, time.monotonic())
+        fault, at = got
+        assert fault.generation == 1 and "Submit of r1 has not reached the leader" in fault.why, fault.why
+        assert at - sent >= 1.0  # not before its deadline
     finally:
         front.close()
         events.close()

@@ -205,6 +205,9 @@ class LeaderBeat(Wire):
     running: int = 0  # of those, admitted
     tokens: int = 0  # tokens this leader has sampled since it started: rates come from differences
     ttft_s: list[float] = []  # submit-to-first-token of the requests that got one since the last beat
+    # front -> newest control seq that reached the leader's process (on arrival, before it is processed);
+    # None from an older leader: the front then cannot tell a lost Submit from a slow one
+    received: dict[str, int] | None = None
 
 
 Event = Annotated[TokenEvent | Finished | RequestFailed | Admitted | LeaderBeat, Field(discriminator="kind")]

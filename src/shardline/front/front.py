@@ -32,6 +32,9 @@ from shardline.front.request import RequestHandle, RequestState
 
 log = logging.getLogger("shardline.front")
 MAX_REQUEST_ID = 128
+# A Submit the leader's process has not received this long after it went out was lost on the way (a link
+# that dropped what it held): transport time, whatever the leader is computing, plus a flap within the lease.
+SUBMIT_LOST_S = 8.0
 REPORT_AGAIN_S = 1.0  # a generation's fault still seen this long after its last report is reported again
 
 
@@ -227,6 +230,7 @@ class Front:
                 self._seq += 1
                 seq = self._seq
                 h.state.sent_seq = seq  # before the put: a beat covering seq must find it set
+                h.state.sent_at = time.monotonic()
                 try:
                     control.send(m.Submit(front=self.name, seq=seq, request=spec))
                 except Exception as exc:
@@ -364,9 +368,17 @@ class Front:
         self.leader_held = len(held)
         if self.generation is not None:
             self.figures.take(beat, self.generation)
+        received = beat.received.get(self.name, -1) if beat.received is not None else None
+        now = time.monotonic()
         for h in self.requests.values():
             s = h.state
-            sent = s.sent_generation == self.generation and s.sent_seq is not None and s.sent_seq <= seen
-            if sent and s.request_id not in held:
+            if s.sent_generation != self.generation or s.sent_seq is None:
+                continue
+            if s.sent_seq <= seen and s.request_id not in held:
                 return f"the leader no longer holds {s.request_id}, and its end never arrived"
+            if received is not None and s.sent_seq > received and now - s.sent_at > SUBMIT_LOST_S:
+                late = now - s.sent_at
+                return (
+                    f"the Submit of {s.request_id} has not reached the leader {late:.1f}s after it was sent"
+                )
         return None

@@ -40,6 +40,7 @@ class RequestState:
     # and whether that generation's leader admitted it (else it waits in a queue, and counts against it).
     sent_generation: int | None = None
     sent_seq: int | None = None
+    sent_at: float = 0.0  # monotonic, when its Submit went out
     admitted: bool = False
 
     def spec(self, resume: str = "exact") -> m.RequestSpec:

@@ -48,6 +48,7 @@ class StageHost(Protocol):
     events: Outbox | None
     faults: Faults
     policy: DeadlinePolicy
+    received: dict[str, int]  # front -> newest control seq that reached the process (set on arrival)
 
     def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]: ...
 
@@ -413,11 +414,15 @@ class Leader:
         after its end went out; so every request this beat counts as seen is in `held` or has ended."""
         seen = dict(self.seen)
         held = list(self.held)
+        received = dict(self.r.received)  # after seen: whatever seen counts was received before
         running = len(self.requests)
         ttfts = []
         while self.ttfts:
             ttfts.append(self.ttfts.popleft())
-        self.emit(m.LeaderBeat(seen=seen, requests=held, running=running, tokens=self.sampled, ttft_s=ttfts))
+        beat = m.LeaderBeat(
+            seen=seen, requests=held, running=running, tokens=self.sampled, ttft_s=ttfts, received=received
+        )
+        self.emit(beat)
 
     def emit(self, event: Any, tensor: Any = None) -> None:
         assert self.r.events is not None

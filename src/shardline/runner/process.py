@@ -70,12 +70,21 @@ class RunnerProcess:
     def _inbox(self, spec: RunnerSpec) -> Inbox:
         inbox = Inbox(self.session, spec.generation, name=f"stage {spec.stage}")
         inbox.subscribe(self.keys.ring(spec.stage), m.RING, "ring")
+        self.received: dict[str, int] = {}  # front -> newest control seq that reached this generation
         if spec.is_leader:
             inbox.subscribe(self.keys.control, m.CONTROL, "control")
+            inbox.watch("control", self._on_control)
         if spec.runner_id:
             inbox.subscribe(self.keys.runner(spec.runner_id), m.REJOIN, "agent")
             inbox.watch("agent", self._on_rejoin)
         return inbox
+
+    def _on_control(self, env: Any) -> None:
+        """As a front's message arrives (before the leader reads it): the beat tells each front what reached
+        this process, so a Submit lost on the way is found within transport time, not a step's."""
+        msg = env.message
+        if isinstance(msg, m.Submit | m.Cancel):
+            self.received[msg.front] = max(self.received.get(msg.front, -1), msg.seq)
 
     def _on_rejoin(self, env: Any) -> None:
         self.rejoin_spec = env.message.spec  # read by waits that cannot look at the inbox (_abort_wait)

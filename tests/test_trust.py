@@ -67,8 +67,7 @@ def test_a_key_file_others_can_read_is_refused_and_a_private_one_is_read(tmp_pat
 def test_cluster_init_writes_private_keys_and_refuses_to_overwrite_its_ca(tmp_path):
     folders = ca.init(tmp_path / "tls", ["a", "b"])
     assert [f.name for f in folders] == ["a", "b", "client"]
-    for f in [*folders, tmp_path / "tls" / "ca"]:
-        key = f / "node.key"
+    for key in [*(f / "node.key" for f in folders), tmp_path / "tls" / "ca" / "ca.key"]:
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
     with pytest.raises(CredentialsError, match="holds a CA already"):
         ca.init(tmp_path / "tls", ["c"])

@@ -253,9 +253,12 @@ def cmd_cluster_init(args: argparse.Namespace) -> int:
         folders = ca.init(args.dir, args.node or ["node-0", "node-1"])
     except CredentialsError as exc:
         raise CliError(str(exc)) from exc
-    print(f"cluster CA in {args.dir / 'ca'} (keep its ca.key on this machine); a TLS folder per node:")
+    print(f"cluster CA in {args.dir / 'ca'} (its ca.key stays on this machine); a TLS folder per node:")
     for f in folders:
-        print(f"  {f}  (copy it to {f.name}, then: shardline node --tls FOLDER ...)")
+        if f.name == "client":
+            print(f"  {f}  (for commands: shardline place|generate --tls {f} ...)")
+        else:
+            print(f"  {f}  (copy it to machine {f.name}, then: shardline node --tls FOLDER ...)")
     return 0
 
 

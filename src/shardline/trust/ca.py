@@ -21,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from shardline.trust.credentials import CA_FILE, CERT_FILE, KEY_FILE, CredentialsError
 
+CA_KEY = "ca.key"  # the CA's private key: it stays on the machine that admits nodes
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 CA_DAYS, NODE_DAYS = 3650, 825
 _CA_USAGE = x509.KeyUsage(
@@ -61,7 +62,7 @@ def init(folder: Path, nodes: list[str], cluster: str = "shardline") -> list[Pat
     """A new CA in folder/ca and a folder per node (and one named `client` for CLI use); refuses to
     overwrite an existing CA. Returns the node folders."""
     ca_dir = folder / "ca"
-    if (ca_dir / KEY_FILE).exists():
+    if (ca_dir / CA_KEY).exists():
         raise CredentialsError(f"{ca_dir} holds a CA already: add nodes with `shardline cluster add-node`")
     for n in nodes:
         _check_name(n)
@@ -81,7 +82,7 @@ def init(folder: Path, nodes: list[str], cluster: str = "shardline") -> list[Pat
         .add_extension(_CA_USAGE, critical=True)
         .sign(key, hashes.SHA256())
     )
-    _write_private(ca_dir / KEY_FILE, _key_pem(key))
+    _write_private(ca_dir / CA_KEY, _key_pem(key))
     (ca_dir / CA_FILE).write_bytes(_cert_pem(cert))
     return [add_node(folder, n) for n in dict.fromkeys([*nodes, "client"])]
 
@@ -91,7 +92,7 @@ def add_node(folder: Path, node: str, addresses: list[str] | None = None) -> Pat
     _check_name(node)
     ca_dir = folder / "ca"
     try:
-        ca_key = serialization.load_pem_private_key((ca_dir / KEY_FILE).read_bytes(), None)
+        ca_key = serialization.load_pem_private_key((ca_dir / CA_KEY).read_bytes(), None)
         ca_cert = x509.load_pem_x509_certificate((ca_dir / CA_FILE).read_bytes())
     except (OSError, ValueError) as exc:
         raise CredentialsError(f"no usable CA in {ca_dir} (make one with `shardline cluster init`)") from exc

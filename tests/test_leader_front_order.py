@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import itertools
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -70,6 +72,34 @@ def lost_by_beats(leader: Leader, events: Events, submit: m.Submit) -> list[int]
     finally:
         sys.settrace(None)
     return lost
+
+
+@contextmanager
+def serving_front(prefix: str) -> Iterator[SimpleNamespace]:
+    """A front serving generation 1 over real zenoh, with a leader's control inbox, the master's reports
+    inbox and the leader's events outbox around it; all closed on exit."""
+    from shardline.dataplane.transport import Inbox, Keys, Outbox, open_session
+    from shardline.front.front import Front, ModelLimits
+
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    keys = Keys(f"{prefix}-{id(session)}")
+    control = Inbox(session, 1, name="leader")
+    control.subscribe(keys.at(1).control, m.CONTROL, "control")
+    reports = Inbox(session, name="master")
+    reports.subscribe(keys.reports, m.STATUS, "reports")
+    events = Outbox(session, keys.at(1).events, 1)
+    front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
+    try:
+        front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+        assert front.serving.wait(10)
+        events.wait_matched(10)
+        yield SimpleNamespace(front=front, control=control, reports=reports, events=events)
+    finally:
+        front.close()
+        events.close()
+        reports.close()
+        control.close()
+        session.close()
 
 
 @pytest.mark.timeout(10)
@@ -174,23 +204,12 @@ def test_a_fault_still_seen_is_reported_again_until_a_new_generation_serves(monk
     is lost, and the request it is about would wait forever. So the front repeats it while it sees it."""
     import time
 
-    from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, open_session
+    from shardline.dataplane.transport import DeadlineExceeded
     from shardline.front import front as front_module
-    from shardline.front.front import Front, ModelLimits
 
     monkeypatch.setattr(front_module, "REPORT_AGAIN_S", 0.2)
-    session = open_session(["tcp/127.0.0.1:0"], [])
-    keys = Keys(f"refault-{id(session)}")
-    control = Inbox(session, 1, name="leader")
-    control.subscribe(keys.at(1).control, m.CONTROL, "control")
-    reports = Inbox(session, name="master")
-    reports.subscribe(keys.reports, m.STATUS, "reports")
-    events = Outbox(session, keys.at(1).events, 1)
-    front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
-    try:
-        front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
-        assert front.serving.wait(10)
-        events.wait_matched(10)
+    with serving_front("refault") as rig:
+        front, control, reports, events = rig.front, rig.control, rig.reports, rig.events
         front.submit([1, 2, 3], max_tokens=4, request_id="r1")
         submit = control.get(timeout=10).message
         assert isinstance(submit, m.Submit)
@@ -210,12 +229,6 @@ def test_a_fault_still_seen_is_reported_again_until_a_new_generation_serves(monk
                 faults.append(time.monotonic())
         # Repeated, but not on every beat: at most once per REPORT_AGAIN_S.
         assert all(b - a >= 0.15 for a, b in itertools.pairwise(faults)), faults
-    finally:
-        front.close()
-        events.close()
-        reports.close()
-        control.close()
-        session.close()
 
 
 @pytest.mark.timeout(30)
@@ -225,23 +238,13 @@ def test_a_submit_lost_on_the_way_is_reported_once_its_transport_deadline_passes
     never; while the deadline has not passed, or once the Submit is received, nothing is reported."""
     import time
 
-    from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox, open_session
+    from shardline.dataplane.transport import DeadlineExceeded
     from shardline.front import front as front_module
-    from shardline.front.front import Front, ModelLimits
 
     monkeypatch.setattr(front_module, "SUBMIT_LOST_S", 1.0)
-    session = open_session(["tcp/127.0.0.1:0"], [])
-    keys = Keys(f"lostsubmit-{id(session)}")
-    control = Inbox(session, 1, name="leader")  # a leader listens; its beats say the Submit never came
-    control.subscribe(keys.at(1).control, m.CONTROL, "control")
-    reports = Inbox(session, name="master")
-    reports.subscribe(keys.reports, m.STATUS, "reports")
-    events = Outbox(session, keys.at(1).events, 1)
-    front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
-    try:
-        front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
-        assert front.serving.wait(10)
-        events.wait_matched(10)
+    # A leader listens on control; the beats below say the Submit never reached it.
+    with serving_front("lostsubmit") as rig:
+        front, reports, events = rig.front, rig.reports, rig.events
         sent = time.monotonic()
         front.submit([1, 2, 3], max_tokens=4, request_id="r1")
         lost = m.LeaderBeat(seen={}, requests=[], received={})
@@ -261,9 +264,3 @@ def test_a_submit_lost_on_the_way_is_reported_once_its_transport_deadline_passes
         fault, at = got
         assert fault.generation == 1 and "Submit of r1 has not reached the leader" in fault.why, fault.why
         assert at - sent >= 1.0  # not before its deadline
-    finally:
-        front.close()
-        events.close()
-        reports.close()
-        control.close()
-        session.close()

@@ -43,12 +43,11 @@ def _wait_for_signal() -> int:
 
 def credentials(args: argparse.Namespace) -> Any:
     """The key (--cluster-key-file, else $SHARDLINE_CLUSTER_KEY) and TLS folder (--tls DIR, else
-    $SHARDLINE_TLS_DIR) this command joins the cluster with (`up --tls` is a switch: it makes its own)."""
+    $SHARDLINE_TLS_DIR) this command joins the cluster with."""
     from shardline.trust.credentials import CredentialsError, resolve
 
-    tls = getattr(args, "tls", None)
     try:
-        return resolve(getattr(args, "cluster_key_file", None), tls if isinstance(tls, Path) else None)
+        return resolve(getattr(args, "cluster_key_file", None), getattr(args, "tls", None))
     except CredentialsError as exc:
         raise CliError(str(exc)) from exc
 
@@ -209,7 +208,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)  # import the model once, before any node reports it
     base = Path(args.data_dir or Path(user_data_dir("shardline")) / "up")
     tls_root = None
-    if args.tls:
+    if args.make_tls:
         tls_root = base / "tls"
         shutil.rmtree(tls_root, ignore_errors=True)  # a fresh CA per run: nothing old is trusted
         ca.init(tls_root, [f"node-{i}" for i in range(args.nodes)])
@@ -398,7 +397,10 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to be ready")
     up.add_argument("--ask", default=None, help="once ready, stream the answer to this prompt")
     up.add_argument(
-        "--tls", action="store_true", help="every link over TLS: a fresh cluster CA and node certificates"
+        "--tls",
+        dest="make_tls",
+        action="store_true",
+        help="every link over TLS: a fresh cluster CA and node certificates",
     )
     up.add_argument(
         "--cluster-key-file",

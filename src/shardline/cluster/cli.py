@@ -71,6 +71,7 @@ def add_credential_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from shardline.cluster.allocator import bound_arenas
     from shardline.cluster.node import ClusterInstanceSettings, Node, NodeConfig
     from shardline.cluster.resources import parse_size
 
@@ -101,6 +102,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         runners=runners,
         api=None if args.no_api else api_settings(args),
     )
+    bound_arenas()  # before the node's threads start
     node = Node(config).start()
     api = f", HTTP API on {node.api.url}" if node.api is not None else ""
     print(f"shardline node {node.node_id} ({node.name}) listening on {node.endpoint}{api}", flush=True)

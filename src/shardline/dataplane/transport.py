@@ -58,6 +58,12 @@ def session_config(listen: list[str], connect: list[str], link: Link | None = No
         config.insert_json5("scouting/multicast/interface", json.dumps(link.multicast_interface))
     config.insert_json5("listen/endpoints", json.dumps(listen))
     config.insert_json5("connect/endpoints", json.dumps(connect))
+    # Runners meet their neighbours by gossip through their nodes. With zenoh's default ("always") both
+    # peers dial each other at once, and two authenticated handshakes can collide and both fail, with no
+    # retry: 5 of 190 keyed pairs never met here. One dialer per pair (the greater id) never collides.
+    config.insert_json5(
+        "scouting/gossip/autoconnect_strategy", '{"peer": {"to_router": "always", "to_peer": "greater-zid"}}'
+    )
     config.insert_json5("transport/link/tx/lease", str(link.lease_ms))
     config.insert_json5("transport/link/tx/keep_alive", "4")
     return config

@@ -56,6 +56,19 @@ class WeightServer:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"weights-{node_id}")
         self._closed = False
         self._queryable = session.declare_queryable(self._prefix + "**", self._on_query)
+        # Read every manifest now, in the background: the first copy a peer asks for (a recovery, most
+        # often) then waits on no reading, and what reading costs in memory is paid at start, not mid-run.
+        self._pool.submit(self._prepare)
+
+    def _prepare(self) -> None:
+        if not self.models_root.is_dir():
+            return
+        for d in sorted(self.models_root.iterdir()):
+            if self._closed:
+                return
+            if NAME.match(d.name) and d.is_dir():
+                with contextlib.suppress(_Refused):
+                    self.manifest(d.name)
 
     def close(self) -> None:
         with self._lock:

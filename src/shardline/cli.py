@@ -84,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from shardline.models.registry import DEFAULT_MODEL, pull
 
-    path = pull(args.name or DEFAULT_MODEL, progress=True)
+    path = pull(args.name or DEFAULT_MODEL, progress=True, weights=args.dtype)
     print(path)
     return 0
 
@@ -219,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="import a known model into the local cache")
     pull.add_argument("name", nargs="?", default=None, help="a known model (default: the built-in one)")
+    pull.add_argument(
+        "--dtype",
+        choices=["quantized", "float32"],
+        default=None,
+        help="quantized: GGUF quantized matrices stay quantized (MLX affine, the default for a new import); "
+        "float32: every weight dequantized (4-8x the bytes). Imports again when the cached copy differs",
+    )
     pull.set_defaults(func=cmd_models_pull)
     lst = msub.add_parser("list", help="known models")
     lst.set_defaults(func=cmd_models_list)

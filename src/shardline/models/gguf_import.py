@@ -180,6 +180,8 @@ def _converted(
             raise UnsupportedModelError(
                 f"GGUF tensor {t.tensor.name!r} uses unsupported type {t.qtype.name}"
             ) from e
+        except ValueError as e:
+            raise CorruptModelError(f"GGUF tensor {t.tensor.name!r}: {e}") from e
         if t.form.exact and (err := check_rows(t.tensor.data, t.qtype, affine)) != 0.0:
             raise AssertionError(f"{t.tensor.name}: {t.qtype.name} as {t.form.label} is off by {err} (a bug)")
         if heads is not None:

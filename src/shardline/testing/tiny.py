@@ -66,17 +66,26 @@ def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides: int) -> P
 
 
 def make_tiny_quantized_model(
-    path: Path, arch: str, bits: int = 4, group_size: int = 64, seed: int = 0, **overrides: int
+    path: Path,
+    arch: str,
+    bits: int = 4,
+    group_size: int = 64,
+    seed: int = 0,
+    dtype: mx.Dtype | None = None,
+    **overrides: int,
 ) -> Path:
     """The tiny model quantized the way `mlx_lm.convert -q` does (mlx-lm's own quantize_model and save):
-    every linear layer and the embedding whose input size divides by `group_size`, with float32 scales
-    (the tiny model is float32). hidden defaults to 128 here, so that groups of 128 fit too."""
+    every linear layer and the embedding whose input size divides by `group_size`, with scales in the
+    model's dtype (float32, or `dtype`, e.g. bfloat16 as most published models). hidden defaults to 128
+    here, so that groups of 128 fit too."""
     from mlx_lm.utils import quantize_model, save_config, save_model
 
     overrides.setdefault("hidden", 128)
     config = tiny_config(arch, **overrides)
     model, weights = _tiny_weights(arch, seed, config)
     model.load_weights(list(weights.items()))  # type: ignore[attr-defined]
+    if dtype is not None:
+        model.set_dtype(dtype)  # type: ignore[attr-defined]
     model, config = quantize_model(model, config, group_size, bits)  # type: ignore[arg-type]
     save_model(path, model)  # type: ignore[arg-type]
     save_config(config, path / "config.json")

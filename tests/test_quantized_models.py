@@ -97,3 +97,23 @@ def test_quantized_greedy_text_is_the_same_on_one_two_and_three_stages(
         got = [engine.submit(p, max_tokens=MAX_TOKENS).tokens(timeout=120) for p in prompts]
         assert got == expected, f"{stages} stages"
         engine.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_weight_format_labels(tmp_path: Path) -> None:
+    from shardline.models.formats import describe_weights
+
+    mixed = {
+        "group_size": 64,
+        "bits": 4,
+        "mode": "affine",
+        "lm_head": {"group_size": 64, "bits": 8},
+        "x": False,
+    }
+    assert describe_weights(tmp_path, {"quantization": mixed}, {"U32": 10}) == "mlx 4-bit g64 + 8-bit g64"
+    mxfp4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    assert describe_weights(tmp_path, {"quantization": mxfp4}, {}) == "mlx mxfp4 g32"
+    assert describe_weights(tmp_path, {}, {"BF16": 100, "F32": 10}) == "bfloat16"
+    # A GGUF import says itself what it did.
+    (tmp_path / "shardline_import.json").write_text(json.dumps({"weight_format": "q4_k→affine4/g32"}))
+    assert describe_weights(tmp_path, {"quantization": mixed}, {}) == "q4_k→affine4/g32"

@@ -13,12 +13,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+IMPORT_INFO_FILE = "shardline_import.json"  # what the GGUF importer wrote, beside the weights
 FLOAT_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def _import_label(model_dir: Path) -> str:
-    from shardline.models.gguf_import import IMPORT_INFO_FILE  # here: the importer pulls gguf and tqdm
-
     try:
         info = json.loads((model_dir / IMPORT_INFO_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -34,6 +34,7 @@ from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
 from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from shardline.models.formats import IMPORT_INFO_FILE
 from shardline.models.gguf_config import build_config, check_architecture, meta_scalar
 from shardline.models.gguf_quant import GROUP, Form, check_rows, float16_exact, form_for, to_affine
 from shardline.models.gguf_tensors import ROPE_FREQS, dequantize_tensor, hf_name, hf_shape, unpermute_llama_qk
@@ -42,7 +43,6 @@ from shardline.models.safetensors_stream import write_safetensors
 
 log = logging.getLogger("shardline.models")
 
-IMPORT_INFO_FILE = "shardline_import.json"
 # Bump when the output layout or conversion changes, so cached imports are redone.
 # 2: quantized GGUF matrices stay quantized (MLX affine) by default.
 IMPORT_FORMAT_VERSION = 2

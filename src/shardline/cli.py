@@ -90,11 +90,14 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
+    from shardline.models.formats import import_label
     from shardline.models.registry import KNOWN_MODELS, cache_dir
 
     for name in KNOWN_MODELS:
-        present = (cache_dir() / name / "config.json").exists()
-        print(f"{name}\t{'pulled' if present else 'not pulled'}")
+        path = cache_dir() / name
+        present = (path / "config.json").exists()
+        label = import_label(path) if present else ""
+        print(f"{name}\t{'pulled' if present else 'not pulled'}" + (f"\t{label}" if label else ""))
     return 0
 
 

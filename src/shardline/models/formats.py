@@ -17,7 +17,8 @@ IMPORT_INFO_FILE = "shardline_import.json"  # what the GGUF importer wrote, besi
 FLOAT_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def _import_label(model_dir: Path) -> str:
+def import_label(model_dir: Path) -> str:
+    """The weight format a GGUF import recorded ("" for a directory the importer did not write)."""
     try:
         info = json.loads((model_dir / IMPORT_INFO_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -42,7 +43,7 @@ def _mlx_label(quantization: Mapping[str, Any]) -> str:
 
 def describe_weights(model_dir: Path, config: Mapping[str, Any], bytes_by_dtype: Mapping[str, int]) -> str:
     """The label of `model_dir`, from its import record, its config and its tensors' bytes per dtype."""
-    if label := _import_label(Path(model_dir)):
+    if label := import_label(Path(model_dir)):
         return label
     quantization = config.get("quantization")
     if isinstance(quantization, Mapping) and "bits" in quantization:

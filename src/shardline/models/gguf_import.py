@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,7 @@ class FormStats:
     tensors: int = 0
     bytes_in: int = 0  # in the GGUF
     bytes_out: int = 0  # in model.safetensors
-    scales: str = ""  # dtypes the scales and biases were stored as
+    scales: set[str] = field(default_factory=set)  # dtypes the scales and biases were stored as
     max_abs_error: float = 0.0  # against gguf's own float32 dequantization
     sq_error: float = 0.0
     sq_weight: float = 0.0
@@ -135,7 +135,7 @@ class FormStats:
             "bytes_out": self.bytes_out,
         }
         if self.scales:
-            out["scales"] = self.scales
+            out["scales"] = ", ".join(sorted(self.scales))
         if not self.exact:
             out["max_abs_error"] = self.max_abs_error
             out["rel_rms_error"] = self.rel_rms_error
@@ -183,7 +183,7 @@ def _converted(
         except ValueError as e:
             raise CorruptModelError(f"GGUF tensor {t.tensor.name!r}: {e}") from e
         if t.form.exact and (err := check_rows(t.tensor.data, t.qtype, affine)) != 0.0:
-            raise AssertionError(f"{t.tensor.name}: {t.qtype.name} as {t.form.label} is off by {err} (a bug)")
+            raise RuntimeError(f"{t.tensor.name}: {t.qtype.name} as {t.form.label} is off by {err} (a bug)")
         if heads is not None:
             # Whole rows move, so permuting the packed rows with their scales and biases is exact.
             affine = affine.rows(lambda rows, n=heads: unpermute_llama_qk(rows, n))
@@ -192,7 +192,7 @@ def _converted(
         st.sq_weight += affine.sq_weight
         half = t.name != _EMBEDDING and float16_exact(affine.scales, affine.biases)
         scale_dtype = np.float16 if half else np.float32
-        st.scales = ", ".join(sorted({*filter(None, st.scales.split(", ")), np.dtype(scale_dtype).name}))
+        st.scales.add(np.dtype(scale_dtype).name)
         base = t.name.removesuffix(".weight")
         for suffix, array in (
             ("weight", affine.weight),
@@ -239,7 +239,7 @@ def format_summary(stats: list[FormStats], seconds: float, gguf_bytes: int, out_
         error = "exact" if s.exact else f"max abs {s.max_abs_error:.3g}, rel RMS {s.rel_rms_error:.3g}"
         lines.append(
             f"{s.gguf_type:<10} {s.form:<12} {s.tensors:>7} {s.bytes_in / 1e6:>9.2f} "
-            f"{s.bytes_out / 1e6:>9.2f}  {s.scales or '-':<16} {error}"
+            f"{s.bytes_out / 1e6:>9.2f}  {', '.join(sorted(s.scales)) or '-':<16} {error}"
         )
     ratio = out_bytes / gguf_bytes if gguf_bytes else 0.0
     lines.append(

@@ -53,6 +53,7 @@ def test_stages_of_a_quantized_model_compute_what_the_whole_model_does(
             shard = load_shard(path, layers)
             # In memory, a stage holds exactly the stored bytes placement counted for it.
             assert shard.weight_bytes() == _stage_bytes(path, layers), f"{stages} stages, {layers}"
+            assert shard.head_split == 0  # the last stage computes the whole (quantized) head
             h = shard.forward(h, shard.make_cache())
         assert mx.array_equal(h, want).item(), f"{stages} stages"
 

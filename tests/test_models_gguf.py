@@ -549,6 +549,9 @@ def _break(path: Path, how: str) -> None:
     elif how == "truncated safetensors":
         data = (path / "model.safetensors").read_bytes()
         (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "wrong dtype":  # same header length, half the bytes the offsets give
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data.replace(b'"F32"', b'"F16"', 1))
     elif how == "no weights":
         (path / "model.safetensors").unlink()
     elif how == "no tokenizer":
@@ -563,6 +566,7 @@ def _break(path: Path, how: str) -> None:
         ("bad json", "config.json is not valid JSON"),
         ("garbage safetensors", "not a valid safetensors file"),
         ("truncated safetensors", "not a valid safetensors file"),
+        ("wrong dtype", "is not"),
         ("no weights", "no model*.safetensors"),
         ("no tokenizer", "tokenizer.json is missing"),
     ],

@@ -14,6 +14,11 @@ from pathlib import Path
 from typing import Any
 
 IMPORT_INFO_FILE = "shardline_import.json"  # what the GGUF importer wrote, beside the weights
+# Bytes per element of each safetensors dtype: a tensor's size must be its shape's product times this.
+SAFETENSORS_ITEMSIZE = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
 FLOAT_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 

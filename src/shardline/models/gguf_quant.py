@@ -43,9 +43,8 @@ FLOAT_TYPES = frozenset(
 )
 _F16_MAX = float(np.finfo(np.float16).max)
 
-Unpacked = tuple[
-    np.ndarray, np.ndarray, np.ndarray
-]  # q (blocks, block_size) uint8; scales, biases (blocks, groups)
+# q (blocks, block_size) uint8; scales and biases (blocks, groups of 32) float32
+Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)

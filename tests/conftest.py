@@ -14,7 +14,7 @@ import pytest
 
 from shardline.engine.engine import Engine, EngineConfig
 from shardline.testing.cluster import FAST_RUNNERS
-from shardline.testing.tiny import make_tiny_model
+from shardline.testing.tiny import make_tiny_model, make_tiny_quantized_model
 
 STEP = 8  # prefill step used with tiny models: small, so every chunking edge is cheap to reach
 # Short liveness settings, so failures are found (and tests end) in seconds: the ones clusters get too.
@@ -25,6 +25,24 @@ FAST = FAST_RUNNERS
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+# MLX-quantized variants as `mlx_lm.convert -q` writes them: name -> (arch, bits, group size, dtype).
+QUANTIZED = {
+    "llama-q4g64": ("llama", 4, 64, None),
+    "qwen2-q8g32": ("qwen2", 8, 32, None),
+    "qwen3-q4g128": ("qwen3", 4, 128, None),  # o_proj's 64 inputs are no group of 128: it stays float
+    "qwen3-q8g64-bf16": ("qwen3", 8, 64, mx.bfloat16),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_quantized_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-quantized")
+    return {
+        name: make_tiny_quantized_model(root / name, arch, bits, group, dtype=dtype)
+        for name, (arch, bits, group, dtype) in QUANTIZED.items()
+    }
 
 
 @pytest.fixture(scope="module")

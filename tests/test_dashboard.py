@@ -99,6 +99,8 @@ def test_page_lists_nodes_and_stages_with_layer_ranges(cluster, page):
     assert {s["node_id"] for s in inst["stages"]} == {"a1", "a2"}  # the picture spans both nodes
     card = page.locator(f'[data-instance="{inst["instance"]}"]')
     expect(card).to_have_attribute("data-phase", "ready")
+    assert inst["weight_format"]  # how its weights are stored: "q4_1→affine4/g32, ..." for the default model
+    expect(card.locator('[data-role="weights"]')).to_have_text(inst["weight_format"])
     for k, st in enumerate(inst["stages"]):
         band = card.locator(f'[data-node-box="{st["node_id"]}"] [data-stage="{k}"]')
         expect(band.locator('[data-role="range"]')).to_have_text(f"layers {st['start']}{DASH}{st['end'] - 1}")

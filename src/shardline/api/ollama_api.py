@@ -264,7 +264,7 @@ def router(service: Service) -> APIRouter:
                     modified_at=now,
                     size=fp.weight_bytes if fp else 0,
                     digest="",
-                    details=Details(),
+                    details=Details(quantization_level=fp.weight_format if fp else ""),
                 )
             )
         return Tags(models=out)
@@ -285,7 +285,9 @@ def router(service: Service) -> APIRouter:
             modelfile=f"FROM {model}\n",
             parameters="",
             template=getattr(text.tokenizer, "chat_template", None) or "",
-            details=Details(family=text.family, families=[text.family]),
+            details=Details(
+                family=text.family, families=[text.family], quantization_level=fp.weight_format if fp else ""
+            ),
             model_info=info,
             capabilities=["completion"],
             modified_at=_now(),

@@ -350,6 +350,7 @@ def _place(
         created_at=at,
         stages=[cm.StageRecord(node_id=a.node_id, start=a.start, end=a.end) for a in placement.stages],
         digest=digest,
+        weight_format=fp.weight_format,
     )
     state = replace(
         state, records={**state.records, instance: rec}, running=state.running | {instance}, dirty=True

@@ -97,6 +97,7 @@ class InstanceRecord(Wire):
     recoveries: int = 0
     created_at: float = 0.0  # wall clock
     digest: str = ""  # the model digest every copy of its stages must have (the first importer's)
+    weight_format: str = ""  # how its weights are stored (ModelFootprint.weight_format), for people
 
 
 class NodeSummary(Wire):

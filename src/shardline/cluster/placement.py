@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.compute.kv import round_up
 from shardline.models.errors import CorruptModelError
+from shardline.models.formats import describe_weights
 
 GB = 1e9  # decimal, as memory sizes are quoted ("a 36 GB machine")
 DEFAULT_RESERVE_TOKENS = 4096
@@ -51,6 +52,8 @@ class ModelFootprint(BaseModel):
     context_length: int = Field(ge=1)
     hidden_size: int = Field(ge=1)
     vocab_size: int = Field(ge=1)
+    # How the weights are stored, for people: "q4_1→affine4/g32", "mlx 4-bit g64", "float32" (models/formats)
+    weight_format: str = ""
 
     @model_validator(mode="after")
     def _one_size_per_layer(self) -> ModelFootprint:
@@ -92,24 +95,31 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
     files = sorted(model_dir.glob("model*.safetensors"))  # what mlx-lm loads, nothing else
     if not files:
         raise CorruptModelError(f"{model_dir.name}: no model*.safetensors weight file")
-    layer_bytes, embed, head, layer_dtypes = [0] * layers, 0, 0, set[str]()
+    # Sizes are the stored bytes (data_offsets): packed quantized weights count as what they are.
+    layer_bytes, embed, head, activation_dtypes = [0] * layers, 0, 0, set[str]()
     tensors: set[str] = set()
+    by_dtype: dict[str, int] = {}
     for path in files:
         for tensor, (dtype, size) in _tensor_sizes(path).items():
             tensors.add(tensor)
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + size
             if m := _LAYER_TENSOR.match(tensor):
                 if (i := int(m.group(1))) >= layers:
                     raise CorruptModelError(f"{path.name}: {tensor} but num_hidden_layers is {layers}")
                 layer_bytes[i] += size
-                layer_dtypes.add(dtype)
+                activation_dtypes.add(dtype)
             elif tensor.startswith("model.embed_tokens."):
                 embed += size
+                activation_dtypes.add(dtype)
             else:  # model.norm.*, lm_head.*, and anything unexpected: counted once, on the last stage
                 head += size
-    # The KV cache takes the activations' dtype: the layers' float dtype. MLX-quantized layers store packed
-    # integers with float16/bfloat16 scales, and compute (so cache) in 16 bits: 2 bytes.
-    quantized = "quantization" in config or not layer_dtypes <= _FLOAT_BYTES.keys()
-    kv_dtype = 2 if quantized or not layer_dtypes else max(_FLOAT_BYTES[d] for d in layer_dtypes)
+    # The KV cache takes the activations' dtype, which MLX promotes to the widest float the embedding and
+    # the layers compute with: their float weights, norms, and quantized layers' scales (a quantized layer
+    # outputs its scales' dtype, or the input's if wider). Packed integer weights (U32) say nothing: an
+    # import with float16 scales and float32 norms computes, and caches, in float32; mlx_lm.convert of a
+    # bfloat16 model keeps bfloat16 everywhere.
+    floats = [_FLOAT_BYTES[d] for d in activation_dtypes if d in _FLOAT_BYTES]
+    kv_dtype = max(floats, default=4)
     return ModelFootprint(
         name=name or model_dir.name,
         layers=layers,
@@ -123,6 +133,7 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
         context_length=int(config.get("max_position_embeddings") or 2**31),
         hidden_size=hidden,
         vocab_size=vocab,
+        weight_format=describe_weights(model_dir, config, by_dtype),
     )
 
 

@@ -1,36 +1,57 @@
 """Import a GGUF file (llama, qwen2, qwen3) into a model directory mlx-lm can load.
 
-Output: config.json, model.safetensors (float32, HF tensor names), tokenizer.json,
-tokenizer_config.json, generation_config.json and shardline_import.json (provenance).
-Weights are stored dequantized as float32: on CPU, MLX ran float16 at half the speed.
+Output: config.json, model.safetensors (HF tensor names), tokenizer.json, tokenizer_config.json,
+generation_config.json and shardline_import.json (provenance, and the form each tensor took).
+
+Weights (`weights=`):
+- "quantized" (the default): quantized GGUF matrices stay quantized, as MLX affine quantization
+  (`models/gguf_quant.py`: exact for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K, 8-bit requantization with its error
+  measured for the rest), and config.json's `quantization` says so the way mlx-lm's loader reads it. Norms,
+  biases and float tensors stay float32: activations (and so the KV cache) are float32, since on CPU MLX ran
+  float16 at half the speed.
+- "float32": every tensor dequantized to float32 (4-8x the GGUF's bytes).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
-from shardline.models.errors import CorruptModelError, ModelNotFoundError
+from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from shardline.models.formats import IMPORT_INFO_FILE
 from shardline.models.gguf_config import build_config, check_architecture, meta_scalar
+from shardline.models.gguf_quant import GROUP, Form, check_rows, float16_exact, form_for, to_affine
 from shardline.models.gguf_tensors import ROPE_FREQS, dequantize_tensor, hf_name, hf_shape, unpermute_llama_qk
 from shardline.models.gguf_tokenizer import build_tokenizer, tokenizer_config
-from shardline.models.safetensors_stream import write_f32_safetensors
+from shardline.models.safetensors_stream import write_safetensors
 
-IMPORT_INFO_FILE = "shardline_import.json"
+log = logging.getLogger("shardline.models")
+
 # Bump when the output layout or conversion changes, so cached imports are redone.
-IMPORT_FORMAT_VERSION = 1
+# 2: quantized GGUF matrices stay quantized (MLX affine) by default.
+IMPORT_FORMAT_VERSION = 2
 TEMP_PREFIX = ".importing-"
+WEIGHTS = ("quantized", "float32")  # what import_gguf(weights=...) accepts
+DEFAULT_WEIGHTS = "quantized"
+# Its dequantized rows are the residual stream's input, in its scales' dtype: float32 keeps activations
+# float32 (float16 scales would round every embedding value to float16 first).
+_EMBEDDING = "model.embed_tokens.weight"
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -60,21 +81,172 @@ def _tensor_plan(reader: GGUFReader) -> tuple[list[tuple[str, ReaderTensor]], np
     return plan, rope_freqs
 
 
-def _converted(
-    plan: list[tuple[str, ReaderTensor]], meta: dict[str, Any], *, progress: bool, desc: str
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Dequantized float32 weights under HF names, one at a time (peak memory: one tensor)."""
-    arch = meta["general.architecture"]
+@dataclass(frozen=True)
+class _Tensor:
+    name: str  # HF name
+    tensor: ReaderTensor
+    shape: tuple[int, ...]  # HF shape
+    form: Form
+
+    @property
+    def qtype(self) -> GGMLQuantizationType:
+        return GGMLQuantizationType(self.tensor.tensor_type)
+
+    def outputs(self) -> dict[str, tuple[int, ...]]:
+        """The tensors it is stored as: itself, or a quantized matrix's packed weight, scales and biases."""
+        if not self.form.quantized:
+            return {self.name: self.shape}
+        base = self.name.removesuffix(".weight")
+        rows, cols = self.shape
+        groups = (rows, cols // GROUP)
+        return {
+            f"{base}.weight": (rows, cols * self.form.bits // 32),
+            f"{base}.scales": groups,
+            f"{base}.biases": groups,
+        }
+
+
+@dataclass
+class FormStats:
+    """What the tensors of one GGUF type became in one form, for the import's summary."""
+
+    gguf_type: str
+    form: str
+    exact: bool
+    tensors: int = 0
+    bytes_in: int = 0  # in the GGUF
+    bytes_out: int = 0  # in model.safetensors
+    scales: set[str] = field(default_factory=set)  # dtypes the scales and biases were stored as
+    max_abs_error: float = 0.0  # against gguf's own float32 dequantization
+    sq_error: float = 0.0
+    sq_weight: float = 0.0
+
+    @property
+    def rel_rms_error(self) -> float:
+        return float(np.sqrt(self.sq_error / self.sq_weight)) if self.sq_weight else 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        out = {
+            "gguf_type": self.gguf_type,
+            "form": self.form,
+            "exact": self.exact,
+            "tensors": self.tensors,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+        }
+        if self.scales:
+            out["scales"] = ", ".join(sorted(self.scales))
+        if not self.exact:
+            out["max_abs_error"] = self.max_abs_error
+            out["rel_rms_error"] = self.rel_rms_error
+        return out
+
+
+def _qk_heads(arch: str, name: str, meta: dict[str, Any]) -> int | None:
+    """Head count to un-permute a llama Q/K tensor's rows by; None for every other tensor."""
+    # Only the llama converter permutes Q/K rows; qwen2/qwen3 are stored as in HF.
+    if arch != "llama" or not (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+        return None
     n_head = int(meta_scalar(meta, f"{arch}.attention.head_count"))
-    n_head_kv = int(meta_scalar(meta, f"{arch}.attention.head_count_kv", n_head))
-    for name, tensor in tqdm(plan, desc=desc, unit="tensor", disable=not progress):
-        weight = dequantize_tensor(tensor)
-        # Only the llama converter permutes Q/K rows; qwen2/qwen3 are stored as in HF.
-        if arch == "llama" and ".self_attn.q_proj." in name:
-            weight = unpermute_llama_qk(weight, n_head)
-        elif arch == "llama" and ".self_attn.k_proj." in name:
-            weight = unpermute_llama_qk(weight, n_head_kv)
-        yield name, weight
+    return n_head if ".q_proj." in name else int(meta_scalar(meta, f"{arch}.attention.head_count_kv", n_head))
+
+
+def _converted(
+    plan: list[_Tensor],
+    meta: dict[str, Any],
+    stats: dict[tuple[str, str], FormStats],
+    *,
+    progress: bool,
+    desc: str,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors to store under HF names, one at a time (peak memory: about one tensor's)."""
+    arch = meta["general.architecture"]
+    for t in tqdm(plan, desc=desc, unit="tensor", disable=not progress):
+        heads = _qk_heads(arch, t.name, meta)
+        key = (t.qtype.name, t.form.label)
+        st = stats.setdefault(key, FormStats(t.qtype.name, t.form.label, t.form.exact))
+        st.tensors += 1
+        st.bytes_in += int(t.tensor.n_bytes)
+        if not t.form.quantized:
+            weight = dequantize_tensor(t.tensor)
+            if heads is not None:
+                weight = unpermute_llama_qk(weight, heads)
+            st.bytes_out += weight.nbytes
+            yield t.name, weight
+            continue
+        try:
+            affine = to_affine(t.tensor.data, t.qtype, t.shape)  # type: ignore[arg-type]
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"GGUF tensor {t.tensor.name!r} uses unsupported type {t.qtype.name}"
+            ) from e
+        except ValueError as e:
+            raise CorruptModelError(f"GGUF tensor {t.tensor.name!r}: {e}") from e
+        if t.form.exact and (err := check_rows(t.tensor.data, t.qtype, affine)) != 0.0:
+            raise RuntimeError(f"{t.tensor.name}: {t.qtype.name} as {t.form.label} is off by {err} (a bug)")
+        if heads is not None:
+            # Whole rows move, so permuting the packed rows with their scales and biases is exact.
+            affine = affine.rows(lambda rows, n=heads: unpermute_llama_qk(rows, n))
+        st.max_abs_error = max(st.max_abs_error, affine.max_abs_error)
+        st.sq_error += affine.sq_error
+        st.sq_weight += affine.sq_weight
+        half = t.name != _EMBEDDING and float16_exact(affine.scales, affine.biases)
+        scale_dtype = np.float16 if half else np.float32
+        st.scales.add(np.dtype(scale_dtype).name)
+        base = t.name.removesuffix(".weight")
+        for suffix, array in (
+            ("weight", affine.weight),
+            ("scales", affine.scales.astype(scale_dtype)),
+            ("biases", affine.biases.astype(scale_dtype)),
+        ):
+            st.bytes_out += array.nbytes
+            yield f"{base}.{suffix}", array
+
+
+def quantization_config(plan: list[_Tensor]) -> dict[str, Any] | None:
+    """config.json's `quantization` as mlx-lm's loader reads it: defaults, plus an entry per module that
+    differs (another bit width, or a matrix left float32: False). None when nothing is quantized."""
+    bits = Counter(t.form.bits for t in plan if t.form.quantized)
+    if not bits:
+        return None
+    default = bits.most_common(1)[0][0]
+    config: dict[str, Any] = {"group_size": GROUP, "bits": default, "mode": "affine"}
+    for t in plan:
+        if len(t.shape) != 2 or not t.name.endswith(".weight"):
+            continue
+        module = t.name.removesuffix(".weight")
+        if not t.form.quantized:
+            config[module] = False
+        elif t.form.bits != default:
+            config[module] = {"group_size": GROUP, "bits": t.form.bits, "mode": "affine"}
+    return config
+
+
+def weight_format(stats: list[FormStats]) -> str:
+    """One line for people: the quantized forms, the most bytes first, e.g. "q4_1→affine4/g32, q8_0→..."
+    (≈ instead of → where the form is not exact); "float32" when nothing stayed quantized."""
+    forms = sorted((s for s in stats if s.form != "float32"), key=lambda s: -s.bytes_out)
+    parts = [f"{s.gguf_type.lower()}{'→' if s.exact else '≈'}{s.form}" for s in forms]
+    return ", ".join(dict.fromkeys(parts)) or "float32"
+
+
+def format_summary(stats: list[FormStats], seconds: float, gguf_bytes: int, out_bytes: int) -> str:
+    """The import's table: per GGUF type and form, tensors, bytes before and after, error where inexact."""
+    lines = [
+        f"{'GGUF type':<10} {'form':<12} {'tensors':>7} {'GGUF MB':>9} {'stored MB':>9}  {'scales':<16} error"
+    ]
+    for s in stats:
+        error = "exact" if s.exact else f"max abs {s.max_abs_error:.3g}, rel RMS {s.rel_rms_error:.3g}"
+        lines.append(
+            f"{s.gguf_type:<10} {s.form:<12} {s.tensors:>7} {s.bytes_in / 1e6:>9.2f} "
+            f"{s.bytes_out / 1e6:>9.2f}  {', '.join(sorted(s.scales)) or '-':<16} {error}"
+        )
+    ratio = out_bytes / gguf_bytes if gguf_bytes else 0.0
+    lines.append(
+        f"model.safetensors {out_bytes / 1e6:.2f} MB = {ratio:.3f}x the GGUF's {gguf_bytes / 1e6:.2f} MB, "
+        f"in {seconds:.1f}s"
+    )
+    return "\n".join(lines)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -127,8 +299,21 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, overwrite: bool = False) -> Path:
-    """Convert `gguf_path` into the mlx-lm model directory `out_dir` (written atomically)."""
+def import_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    overwrite: bool = False,
+    weights: str = DEFAULT_WEIGHTS,
+) -> Path:
+    """Convert `gguf_path` into the mlx-lm model directory `out_dir` (written atomically).
+
+    weights: "quantized" (quantized GGUF matrices stay quantized) or "float32" (see the module docstring).
+    With `progress`, a progress bar and the summary of what each tensor became go to stderr."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+    t0 = time.monotonic()
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     reader = open_gguf(gguf_path)
@@ -137,8 +322,15 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, overwr
     arch = check_architecture(meta.get("general.architecture"))
     tokenizer = build_tokenizer(meta)
 
-    plan, rope_freqs = _tensor_plan(reader)
-    shapes = {name: hf_shape(tensor) for name, tensor in plan}
+    pairs, rope_freqs = _tensor_plan(reader)
+    plan = []
+    for name, tensor in pairs:
+        shape = hf_shape(tensor)
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        plan.append(
+            _Tensor(name, tensor, shape, form_for(qtype, shape) if weights == "quantized" else Form())
+        )
+    shapes = {t.name: t.shape for t in plan}
     for needed in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
         if needed not in shapes:
             raise CorruptModelError(f"{gguf_path}: GGUF lacks the tensor for {needed}")
@@ -150,21 +342,39 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True, overwr
         attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
         rope_freqs=rope_freqs,
     )
+    if (quantization := quantization_config(plan)) is not None:
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization  # mlx-lm writes both; HF tools read the second
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    info = {
-        "format_version": IMPORT_FORMAT_VERSION,
-        "source": gguf_path.name,
-        "source_size": gguf_path.stat().st_size,
-        "architecture": arch,
-        "name": meta.get("general.name"),
-    }
+    outputs = {name: shape for t in plan for name, shape in t.outputs().items()}
 
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        weights = _converted(plan, meta, progress=progress, desc=f"Importing {gguf_path.name}")
-        write_f32_safetensors(tmp / "model.safetensors", shapes, weights, metadata={"format": "pt"})
+        stats: dict[tuple[str, str], FormStats] = {}
+        fmt = "mlx" if quantization else "pt"  # as mlx-lm and torch tag their files
+        tensors = _converted(plan, meta, stats, progress=progress, desc=f"Importing {gguf_path.name}")
+        write_safetensors(tmp / "model.safetensors", outputs, tensors, metadata={"format": fmt})
+        out_bytes = (tmp / "model.safetensors").stat().st_size
+        seconds = time.monotonic() - t0
+        table = list(stats.values())
+        info = {
+            "format_version": IMPORT_FORMAT_VERSION,
+            "source": gguf_path.name,
+            "source_size": gguf_path.stat().st_size,
+            "architecture": arch,
+            "name": meta.get("general.name"),
+            "weights": weights,
+            "weight_format": weight_format(table),
+            "weights_bytes": out_bytes,
+            "import_seconds": round(seconds, 2),
+            "tensors": [s.as_json() for s in table],
+        }
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, config["max_position_embeddings"]))
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
         _write_json(tmp / IMPORT_INFO_FILE, info)
+    summary = format_summary(table, seconds, gguf_path.stat().st_size, out_bytes)
+    if progress:
+        print(summary, file=sys.stderr)
+    log.info("imported %s as %s:\n%s", gguf_path.name, weights, summary)
     return out_dir

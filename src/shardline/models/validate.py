@@ -7,11 +7,13 @@ read; these checks turn the common cases into one-line CorruptModelError message
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
 
 from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from shardline.models.formats import SAFETENSORS_ITEMSIZE
 from shardline.models.gguf_config import SUPPORTED_ARCHITECTURES
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_ARCHITECTURES
@@ -37,6 +39,11 @@ def check_safetensors(path: Path) -> None:
             start, end = entry["data_offsets"]
             if not 0 <= start <= end <= data_len:
                 raise ValueError(f"tensor {name!r} lies outside the file (truncated?)")
+            item = SAFETENSORS_ITEMSIZE.get(entry["dtype"])
+            if item is not None and math.prod(entry["shape"]) * item != end - start:
+                raise ValueError(
+                    f"tensor {name!r} {entry['dtype']}{entry['shape']} is not {end - start} bytes"
+                )
     except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CorruptModelError(f"{path}: not a valid safetensors file ({e})") from e
 

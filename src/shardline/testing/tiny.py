@@ -39,10 +39,9 @@ def tiny_config(arch: str, layers: int = 6, hidden: int = 64, vocab: int = 512, 
     }
 
 
-def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides: int) -> Path:
+def _tiny_weights(arch: str, seed: int, config: dict) -> tuple[object, dict[str, mx.array]]:
     from mlx_lm.utils import _get_classes
 
-    config = tiny_config(arch, **overrides)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -54,7 +53,40 @@ def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides: int) -> P
     # ... and a sharper head keeps the greedy margin far above float noise.
     head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     weights[head] = weights[head] * 4.0
+    return model, weights
+
+
+def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides: int) -> Path:
+    config = tiny_config(arch, **overrides)
+    _, weights = _tiny_weights(arch, seed, config)
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def make_tiny_quantized_model(
+    path: Path,
+    arch: str,
+    bits: int = 4,
+    group_size: int = 64,
+    seed: int = 0,
+    dtype: mx.Dtype | None = None,
+    **overrides: int,
+) -> Path:
+    """The tiny model quantized the way `mlx_lm.convert -q` does (mlx-lm's own quantize_model and save):
+    every linear layer and the embedding whose input size divides by `group_size`, with scales in the
+    model's dtype (float32, or `dtype`, e.g. bfloat16 as most published models). hidden defaults to 128
+    here, so that groups of 128 fit too."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    overrides.setdefault("hidden", 128)
+    config = tiny_config(arch, **overrides)
+    model, weights = _tiny_weights(arch, seed, config)
+    model.load_weights(list(weights.items()))  # type: ignore[attr-defined]
+    if dtype is not None:
+        model.set_dtype(dtype)  # type: ignore[attr-defined]
+    model, config = quantize_model(model, config, group_size, bits)  # type: ignore[arg-type]
+    save_model(path, model)  # type: ignore[arg-type]
+    save_config(config, path / "config.json")
     return path

@@ -55,15 +55,13 @@ from shardline.cluster.weights.manifest import (
 )
 from shardline.cluster.weights.protocol import MAX_CHUNK_BYTES, ChunkRequest, ErrorReply, key_prefix
 from shardline.cluster.weights.verify import verify_shard
+from shardline.models.formats import SAFETENSORS_ITEMSIZE
 
 log = logging.getLogger("shardline.weights")
 
 # The importer's provenance file says "a complete import of X": a stage directory must not pose as one.
 _NOT_COPIED = frozenset({"shardline_import.json"})
-_ITEMSIZE = {
-    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-}  # fmt: skip
+_ITEMSIZE = SAFETENSORS_ITEMSIZE  # packed quantized weights are U32, their scales F16/BF16/F32
 
 
 def _output_header(layout: list[tuple[str, TensorEntry]], metadata: dict[str, str]) -> bytes:

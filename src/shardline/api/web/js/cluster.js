@@ -151,12 +151,13 @@ export function renderInstances(container, state, { onRemove }) {
     }
     card.dataset.phase = inst.phase;
     const [head, pic, live] = card.children;
-    swap(head, JSON.stringify([inst.model, inst.phase, inst.generation, inst.recoveries, inst.why]), () => [
+    swap(head, JSON.stringify([inst.model, inst.phase, inst.generation, inst.recoveries, inst.why, inst.weight_format]), () => [
       h(
         "header",
         {},
         h("strong", {}, inst.model),
         h("span", { class: `badge ${PHASE_TONE[inst.phase] || ""}`, "data-role": "phase" }, phaseLabel(inst.phase)),
+        inst.weight_format ? h("span", { class: "badge format", "data-role": "weights", title: "how its weights are stored" }, inst.weight_format) : null,
         h("span", { class: "small" }, `${inst.instance} · generation ${generationLabel(inst.generation)} · ${inst.recoveries} recover${inst.recoveries === 1 ? "y" : "ies"}`),
         removeButton(inst.instance, onRemove),
       ),

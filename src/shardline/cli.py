@@ -196,6 +196,34 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from shardline.bench.quality import run
+
+    try:
+        stages = [positive(int(x), "--stages") for x in args.stages.split(",") if x.strip()]
+    except ValueError as exc:
+        raise CliError(f"--stages takes stage counts separated by commas, e.g. 1,2 ({exc})") from exc
+    positive(args.ctx, "--ctx")
+    if args.chunks is not None:
+        positive(args.chunks, "--chunks")
+    run(
+        model=args.model,
+        text_file=args.text,
+        stages=stages,
+        ctx=args.ctx,
+        chunks=args.chunks,
+        gguf=args.gguf,
+        json_path=args.json,
+    )
+    return 0
+
+
+def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
+    from shardline.bench.llama_cpp import main
+
+    return main(args.build, args.jobs)
+
+
 def cmd_bench_soak(args: argparse.Namespace) -> int:
     from shardline.bench.soak import fault_kinds, run, use_netns
 
@@ -333,6 +361,28 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bs.add_argument("--pairs", type=int, default=3, help="alternating HTTP / Python API rounds")
     bs.set_defaults(func=cmd_bench_serve)
+    bq = bsub.add_parser(
+        "quality", help="perplexity of a text through the engine's stages, scored as llama-perplexity"
+    )
+    bq.add_argument("--model", default=None, help=MODEL_HELP)
+    bq.add_argument("--text", type=Path, required=True, help="a UTF-8 text file (at least 2 x ctx tokens)")
+    bq.add_argument("--stages", default="1,2", help="stage counts to compare, e.g. 1,2")
+    bq.add_argument("--ctx", type=int, default=512, help="window of tokens; its second half is scored")
+    bq.add_argument("--chunks", type=int, default=None, help="score only the first N windows")
+    bq.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="llama.cpp's reference on this GGUF (default: the model's source)",
+    )
+    bq.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bq.set_defaults(func=cmd_bench_quality)
+    bl = bsub.add_parser(
+        "llama-cpp", help="build llama.cpp's llama-bench and llama-perplexity (the reference)"
+    )
+    bl.add_argument("--build", action="store_true", help="fetch and build them now (about 10 minutes)")
+    bl.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
+    bl.set_defaults(func=cmd_bench_llama_cpp)
     bso = bsub.add_parser(
         "soak", help="minutes of HTTP load through every node of a local cluster, with chaos"
     )

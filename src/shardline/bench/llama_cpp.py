@@ -166,14 +166,14 @@ def parse_perplexity_output(text: str) -> dict[str, float]:
 
 
 def llama_perplexity_report(
-    gguf: Path, text_file: Path, ctx: int, threads: int = 2, timeout: float = 1800
+    gguf: Path, text_file: Path, ctx: int, threads: int = 2, chunks: int | None = None, timeout: float = 1800
 ) -> dict[str, float] | None:
     exe = binary("llama-perplexity")
     if exe is None:
         return None
     # -b ctx: one batch per chunk, as its default batch (2048) is for a chunk of 512 too.
     cmd = [str(exe), "-m", str(gguf), "-f", str(text_file), "-c", str(ctx), "-b", str(ctx)]
-    cmd += ["-t", str(threads)]
+    cmd += ["-t", str(threads), *(["--chunks", str(chunks)] if chunks else [])]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, check=False, preexec_fn=_pinned(threads)
     )
@@ -184,9 +184,11 @@ def llama_perplexity_report(
     return parse_perplexity_output(text)
 
 
-def llama_perplexity(gguf: Path, text_file: Path, ctx: int, threads: int = 2) -> float | None:
+def llama_perplexity(
+    gguf: Path, text_file: Path, ctx: int, threads: int = 2, chunks: int | None = None
+) -> float | None:
     """llama.cpp's perplexity of `text_file` (chunks of `ctx`, second halves scored); None when not built."""
-    report = llama_perplexity_report(gguf, text_file, ctx, threads)
+    report = llama_perplexity_report(gguf, text_file, ctx, threads, chunks)
     return None if report is None else report["ppl"]
 
 

@@ -218,6 +218,21 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from shardline.bench.scale import BENCH_SPEC, run
+
+    positive(args.tokens, "--tokens")
+    if not 0 < args.fraction < 1:
+        raise CliError(f"--fraction must be between 0 and 1, got {args.fraction}")
+    dtype = args.dtype or ("float32" if not args.bits else BENCH_SPEC.dtype)
+    spec = replace(BENCH_SPEC, layers=positive(args.layers, "--layers"), bits=args.bits, dtype=dtype)
+    spec.check()
+    run(json_path=args.json, spec=spec, fraction=args.fraction, tokens=args.tokens)
+    return 0
+
+
 def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
     from shardline.bench.llama_cpp import main
 
@@ -377,6 +392,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bq.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     bq.set_defaults(func=cmd_bench_quality)
+    bsc = bsub.add_parser(
+        "scale", help="a synthetic model larger than any node's memory limit, across 3 local nodes"
+    )
+    bsc.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bsc.add_argument("--bits", type=int, default=4, help="quantization bits of the synthetic model (0: none)")
+    bsc.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="of its scales, biases and norms (default float32: MLX's fast CPU path today)",
+    )
+    bsc.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (~28M each)")
+    bsc.add_argument(
+        "--fraction", type=float, default=0.5, help="each node's limit: this much of the weights"
+    )
+    bsc.add_argument("--tokens", type=int, default=8, help="tokens to generate")
+    bsc.set_defaults(func=cmd_bench_scale)
     bl = bsub.add_parser(
         "llama-cpp", help="build llama.cpp's llama-bench and llama-perplexity (the reference)"
     )

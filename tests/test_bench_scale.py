@@ -16,7 +16,7 @@ from shardline.cluster.placement import (
     footprint_from_dir,
     place,
 )
-from shardline.models.synth import SynthSpec, plan, stored, weight_sizes, write_synth_model
+from shardline.models.synth import DTYPES, SynthSpec, plan, stored, weight_sizes, write_synth_model
 
 _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4}
 
@@ -39,15 +39,19 @@ def _footprint(spec: SynthSpec) -> ModelFootprint:
         embed_bytes=embed,
         head_bytes=head,
         tied=spec.tied,
-        kv_bytes_per_token_per_layer=2 * spec.kv_heads * spec.head_dim * 2,
+        # The cache takes the activations' dtype: a quantized model's scales' (float32 scales: 4 bytes).
+        kv_bytes_per_token_per_layer=2 * spec.kv_heads * spec.head_dim * DTYPES[spec.dtype][2],
         context_length=spec.context,
         hidden_size=spec.hidden,
         vocab_size=spec.vocab,
     )
 
 
-def test_the_footprint_helper_matches_a_written_model(tmp_path):
-    spec = SynthSpec(layers=3, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=320, bits=4)
+@pytest.mark.parametrize("bits,dtype", [(4, "float16"), (4, "float32"), (0, "float32"), (8, "bfloat16")])
+def test_the_footprint_helper_matches_a_written_model(tmp_path, bits, dtype):
+    spec = SynthSpec(
+        layers=3, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=320, bits=bits, dtype=dtype
+    )
     written = footprint_from_dir(write_synth_model(tmp_path / "m", spec))
     assert written.model_copy(update={"name": "synth"}) == _footprint(spec)
 

@@ -107,9 +107,10 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
             else:  # model.norm.*, lm_head.*, and anything unexpected: counted once, on the last stage
                 head += size
     # The KV cache takes the activations' dtype: the layers' float dtype. MLX-quantized layers store packed
-    # integers with float16/bfloat16 scales, and compute (so cache) in 16 bits: 2 bytes.
-    quantized = "quantization" in config or not layer_dtypes <= _FLOAT_BYTES.keys()
-    kv_dtype = 2 if quantized or not layer_dtypes else max(_FLOAT_BYTES[d] for d in layer_dtypes)
+    # integers beside scales and biases, and compute (so cache) in the scales' dtype: 2 bytes for float16 or
+    # bfloat16 scales, 4 for float32 ones; 2 when no float tensor says.
+    floats = [_FLOAT_BYTES[d] for d in layer_dtypes if d in _FLOAT_BYTES]
+    kv_dtype = max(floats, default=2)
     return ModelFootprint(
         name=name or model_dir.name,
         layers=layers,

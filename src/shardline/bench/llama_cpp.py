@@ -32,6 +32,7 @@ _CMAKE_FLAGS = (
     # CPU only, everywhere: no Metal on macOS, no BLAS, no GPU backends.
     "-DGGML_METAL=OFF",
     "-DGGML_BLAS=OFF",
+    "-DGGML_CCACHE=OFF",
     # Static: the two binaries copied out of the build tree need nothing beside them.
     "-DBUILD_SHARED_LIBS=OFF",
     # Nothing fetched at configure or build time, nothing built that is not needed.

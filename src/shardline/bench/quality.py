@@ -149,7 +149,10 @@ def _llama_cpp(gguf: Path | None, text_file: Path, ctx: int, chunks: int | None)
         return {"skipped": "no GGUF source known for this model (pass --gguf)"}
     if llama_cpp.binary("llama-perplexity") is None:
         return {"skipped": llama_cpp.missing_message()}
-    report = llama_cpp.llama_perplexity_report(gguf, text_file, ctx, chunks=chunks)
+    try:
+        report = llama_cpp.llama_perplexity_report(gguf, text_file, ctx, chunks=chunks)
+    except (ValueError, RuntimeError, OSError) as exc:  # a short text, a failed run: said, not fatal
+        return {"gguf": gguf.name, "error": str(exc)[:500]}
     return {"gguf": gguf.name, **(report or {})}
 
 
@@ -236,4 +239,4 @@ def _print(result: dict) -> None:
         scored = ref.get("tokens_scored", "?")
         print(f"  llama.cpp ({ref['gguf']}): ppl {ref['ppl']:.4f} +/- {ref['ppl_err']:.4f} ({scored} tokens)")
     else:
-        print(f"  llama.cpp: {ref.get('skipped')}")
+        print(f"  llama.cpp: {ref.get('skipped') or ref.get('error')}")

@@ -86,4 +86,4 @@ def test_run_reports_each_stage_count_and_skips_llama_cpp_without_a_gguf(tmp_pat
     assert result["chunks"] == 270 // 64 and result["tokens_scored"] == 4 * 31
     ppl = {s: r["ppl"] for s, r in result["stages"].items()}
     assert set(ppl) == {"1", "2"} and ppl["1"] == pytest.approx(ppl["2"], rel=1e-5)
-    assert "skipped" in result["llama_cpp"] and "in this process" in result["engine"]
+    assert "skipped" in result["llama_cpp"] and "not runner processes" in result["engine"]

@@ -167,7 +167,7 @@ def parse_perplexity_output(text: str) -> dict[str, float]:
 
 
 def llama_perplexity_report(
-    gguf: Path, text_file: Path, ctx: int, threads: int = 2, chunks: int | None = None, timeout: float = 1800
+    gguf: Path, text_file: Path, ctx: int, threads: int = 1, chunks: int | None = None, timeout: float = 1800
 ) -> dict[str, float] | None:
     exe = binary("llama-perplexity")
     if exe is None:
@@ -186,7 +186,7 @@ def llama_perplexity_report(
 
 
 def llama_perplexity(
-    gguf: Path, text_file: Path, ctx: int, threads: int = 2, chunks: int | None = None
+    gguf: Path, text_file: Path, ctx: int, threads: int = 1, chunks: int | None = None
 ) -> float | None:
     """llama.cpp's perplexity of `text_file` (chunks of `ctx`, second halves scored); None when not built."""
     report = llama_perplexity_report(gguf, text_file, ctx, threads, chunks)

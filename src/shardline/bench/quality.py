@@ -7,17 +7,20 @@ The method is llama.cpp's (tools/perplexity/perplexity.cpp, `perplexity()`), so 
 - only the second half is scored: the logits at positions ctx/2 .. ctx-2 predict the tokens after them, so
   each window scores ctx - ctx/2 - 1 tokens; ppl = exp(mean negative log-likelihood over every window).
 
-The logits come from the engine's own stages, in this process: the model is split as the engine splits it
+The logits come from the engine's own stages, in one process: the model is split as the engine splits it
 (`split_layers`), each stage is `load_shard`ed (only its layers, with its attention kernel, input-major
 weights and, with a tied head, the split head), and a window's tokens go through the stages in order in chunks
 of `prefill_step` with per-stage KV caches, as the runners' prefill does. Only the hop between processes is
 left out: a runner's `Shard.forward` returns the last position alone, and perplexity needs every position.
+Each stage count is scored in a child process started with the runners' environment (OpenBLAS, allocator).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from shardline.bench.machine import describe
+from shardline.compute import blas
 
 DEFAULT_CTX = 512
 
@@ -142,6 +146,34 @@ def perplexity(
     return score, time.perf_counter() - started
 
 
+def _score_in_child(
+    model_dir: Path, stages: int, token_windows: list[list[int]], bos: int | None, step: int
+) -> tuple[Score, float]:
+    """`perplexity` in a fresh process with the runners' environment (OpenBLAS preloaded, their allocator
+    settings): the environment is fixed at a process's start, and the reference BLAS is ~10x slower."""
+    payload = {"model": str(model_dir), "stages": stages, "windows": token_windows, "bos": bos, "step": step}
+    done = subprocess.run(
+        [sys.executable, "-m", "shardline.bench.quality"],
+        input=json.dumps(payload),
+        env=blas.runner_env(os.cpu_count() or 1),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"scoring on {stages} stage(s) failed: {done.stderr[-2000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return Score(out["nll"], out["nll2"], out["count"]), out["seconds"]
+
+
+def _child() -> None:
+    """`python -m shardline.bench.quality`: one stage count's scoring, request and answer as JSON."""
+    req = json.loads(sys.stdin.read())
+    staged = StagedModel(Path(req["model"]), int(req["stages"]))
+    score, seconds = perplexity(staged, req["windows"], req["bos"], int(req["step"]))
+    print(json.dumps({"nll": score.nll, "nll2": score.nll2, "count": score.count, "seconds": seconds}))
+
+
 def _llama_cpp(gguf: Path | None, text_file: Path, ctx: int, chunks: int | None) -> dict:
     from shardline.bench import llama_cpp
 
@@ -197,15 +229,13 @@ def run(
         "method": "llama.cpp llama-perplexity's: non-overlapping windows of ctx tokens from empty caches, "
         "BOS first when the tokenizer adds one, the second half of each window scored",
         "engine": "the engine's stages (split_layers + load_shard: its attention kernel, input-major "
-        "weights, split head) in this process, in order, in prefill-step chunks; not runner processes "
-        "(a runner returns only the last position's logits)",
+        "weights, split head) in one process with the runners' environment, in order, in prefill-step "
+        "chunks; not runner processes (a runner returns only the last position's logits)",
         "stages": {},
     }
     for s in stages:
         print(f"bench quality: {model_dir.name}, {s} stage(s), {len(token_windows)} windows", file=sys.stderr)
-        staged = StagedModel(model_dir, s)
-        score, seconds = perplexity(staged, token_windows, bos, prefill_step)
-        del staged
+        score, seconds = _score_in_child(model_dir, s, token_windows, bos, prefill_step)
         result["stages"][str(s)] = {
             "ppl": round(score.ppl, 4),
             "ppl_err": round(score.ppl_err, 5),
@@ -240,3 +270,7 @@ def _print(result: dict) -> None:
         print(f"  llama.cpp ({ref['gguf']}): ppl {ref['ppl']:.4f} +/- {ref['ppl_err']:.4f} ({scored} tokens)")
     else:
         print(f"  llama.cpp: {ref.get('skipped') or ref.get('error')}")
+
+
+if __name__ == "__main__":
+    _child()

@@ -51,6 +51,20 @@ def test_staged_perplexity_equals_mlx_lm_and_does_not_depend_on_stages(tiny_mode
     assert got[2] == pytest.approx(got[1], rel=1e-5) and got[3] == pytest.approx(got[1], rel=1e-5)
 
 
+@pytest.mark.timeout(120)
+def test_staged_logits_are_what_the_engines_runner_processes_compute(tiny_models, start_engine):
+    """The in-process stages are the engine's computation: at the position a runner does return (the last
+    one, with want_logits), both give the same logits, split head included."""
+    model_dir = tiny_models["qwen2"]
+    engine = start_engine(model_dir, 2)
+    staged = StagedModel(model_dir, 2)
+    for n in (5, 21):
+        prompt = [(37 * i + n) % 500 + 3 for i in range(n)]
+        got = next(iter(engine.submit(prompt, max_tokens=1, want_logits=True))).logits
+        mine = staged.logits(prompt, (n - 1, n), step=8)[0]
+        assert float(mx.abs(mine - got).max() / mx.abs(got).max()) < 1e-5
+
+
 def test_windows_follow_llama_perplexity():
     tokens = list(range(10 * 8 + 3))
     w = windows(tokens, 8)

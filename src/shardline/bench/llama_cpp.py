@@ -59,7 +59,7 @@ def binary(name: str) -> Path | None:
 
 
 def missing_message() -> str:
-    return f"llama.cpp not built; run `{BUILD_HINT}` (about 10 minutes on 2 cores)"
+    return f"llama.cpp not built; run `{BUILD_HINT}` (10-20 minutes on 2 cores)"
 
 
 def build(jobs: int | None = None, force: bool = False) -> Path:

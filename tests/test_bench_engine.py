@@ -29,3 +29,11 @@ def test_bench_engine_quick_writes_every_figure(tmp_path, model_dir):
     assert result["pairs"] == 1 and len(result["rounds"]) == 1
     assert result["raw"]["s2_serial_prefill_tps"] > 0
     assert set(result["decode_token_profile_ms"]) == {"single_process", "s1", "s2"}
+    assert result["decode_tps_s1"] > 0 and result["raw"]["s1_prefill_tps"] > 0
+    # No GGUF behind a tiny model: llama.cpp's side is skipped, and says why.
+    assert result["weights_bytes_ratio_vs_gguf"] is None and "GGUF" in result["llama_cpp"]["skipped"]
+    assert not any(k.endswith(("llama_cpp_1t", "llama_cpp_2t")) for k in result)
+    # Each stage's peak RSS over weights + KV + the measured runtime allowance: of the order of 1.
+    assert len(result["peak_rss_ratio_per_stage"]) == 2
+    assert all(0.3 < r < 20 for r in result["peak_rss_ratio_per_stage"])
+    assert all(m["runtime_allowance_bytes"] > 10e6 for m in result["stage_memory"])

@@ -91,13 +91,57 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 def cmd_models_list(args: argparse.Namespace) -> int:
     from shardline.models.formats import import_label
-    from shardline.models.registry import KNOWN_MODELS, cache_dir
+    from shardline.models.registry import KNOWN_MODELS, cache_dir, cached_models
+    from shardline.models.synth import is_synthetic
 
     for name in KNOWN_MODELS:
         path = cache_dir() / name
         present = (path / "config.json").exists()
         label = import_label(path) if present else ""
         print(f"{name}\t{'pulled' if present else 'not pulled'}" + (f"\t{label}" if label else ""))
+    for name in cached_models():
+        if name not in KNOWN_MODELS:
+            print(f"{name}\t{'synthetic' if is_synthetic(cache_dir() / name) else 'local'}")
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def cmd_models_synth(args: argparse.Namespace) -> int:
+    from shardline.cluster.weights.manifest import record_import
+    from shardline.models.registry import NAME_PATTERN, cache_dir
+    from shardline.models.synth import SynthSpec, weight_sizes, write_synth_model
+
+    if not NAME_PATTERN.fullmatch(args.name):
+        raise CliError(f"{args.name!r} is not a model name (letters, digits, . _ + -)")
+    dtype = args.dtype or ("float16" if args.bits else "float32")
+    spec = SynthSpec(
+        layers=args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        bits=args.bits,
+        group_size=args.group_size,
+        dtype=dtype,
+        context=args.context,
+        tied=args.tied,
+        seed=args.seed,
+    )
+    spec.check()
+    target = (args.models_dir or cache_dir()) / args.name
+    path = write_synth_model(target, spec, progress=True, overwrite=args.force)
+    record_import(path, args.name, replace=True)  # its digests, as an import records them: nodes can serve it
+    sizes = weight_sizes(path)
+    quant = f"{spec.bits}-bit, groups of {spec.group_size}, {dtype} scales" if spec.bits else dtype
+    print(
+        f"{path}: synthetic llama ({quant}), {sizes['parameters'] / 1e6:.1f}M parameters, "
+        f"{_size(sizes['stored_bytes'])} of weights ({_size(sizes['float32_bytes'])} as float32); "
+        "random weights: for speed and memory benchmarks only"
+    )
     return 0
 
 
@@ -153,6 +197,49 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         pairs=args.pairs,
     )
     return 0
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from shardline.bench.quality import run
+
+    try:
+        stages = [positive(int(x), "--stages") for x in args.stages.split(",") if x.strip()]
+    except ValueError as exc:
+        raise CliError(f"--stages takes stage counts separated by commas, e.g. 1,2 ({exc})") from exc
+    positive(args.ctx, "--ctx")
+    if args.chunks is not None:
+        positive(args.chunks, "--chunks")
+    run(
+        model=args.model,
+        text_file=args.text,
+        stages=stages,
+        ctx=args.ctx,
+        chunks=args.chunks,
+        gguf=args.gguf,
+        json_path=args.json,
+    )
+    return 0
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from shardline.bench.scale import BENCH_SPEC, run
+
+    positive(args.tokens, "--tokens")
+    if not 0 < args.fraction < 1:
+        raise CliError(f"--fraction must be between 0 and 1, got {args.fraction}")
+    dtype = args.dtype or ("float32" if not args.bits else BENCH_SPEC.dtype)
+    spec = replace(BENCH_SPEC, layers=positive(args.layers, "--layers"), bits=args.bits, dtype=dtype)
+    spec.check()
+    run(json_path=args.json, spec=spec, fraction=args.fraction, tokens=args.tokens)
+    return 0
+
+
+def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
+    from shardline.bench.llama_cpp import main
+
+    return main(args.build, args.jobs)
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
@@ -230,8 +317,32 @@ def build_parser() -> argparse.ArgumentParser:
         "float32: every weight dequantized (4-8x the bytes). Imports again when the cached copy differs",
     )
     pull.set_defaults(func=cmd_models_pull)
-    lst = msub.add_parser("list", help="known models")
+    lst = msub.add_parser("list", help="known models, and the other models in the cache")
     lst.set_defaults(func=cmd_models_list)
+    syn = msub.add_parser(
+        "synth", help="write a random-weight llama of any size (speed and memory benchmarks only)"
+    )
+    syn.add_argument("name", help="the model's name (its directory in the models directory)")
+    syn.add_argument("--layers", type=int, default=28, help="transformer layers")
+    syn.add_argument("--hidden", type=int, default=1536, help="hidden size")
+    syn.add_argument("--intermediate", type=int, default=4096, help="MLP intermediate size")
+    syn.add_argument("--heads", type=int, default=12, help="attention heads")
+    syn.add_argument("--kv-heads", type=int, default=4, help="key/value heads")
+    syn.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    syn.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
+    syn.add_argument("--bits", type=int, default=4, help="MLX affine quantization bits (0: none)")
+    syn.add_argument("--group-size", type=int, default=32, help="quantization group size")
+    syn.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="of scales, biases, norms (and weights with --bits 0); default: float16, float32 with --bits 0",
+    )
+    syn.add_argument("--tied", action="store_true", help="tie the output head to the embedding")
+    syn.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    syn.add_argument("--models-dir", type=Path, default=None, help="where to write it (default: the cache)")
+    syn.add_argument("--force", action="store_true", help="replace a model of that name")
+    syn.set_defaults(func=cmd_models_synth)
 
     bench = sub.add_parser("bench", help="benchmarks, reported as ratios against a side-by-side baseline")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -275,6 +386,45 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bs.add_argument("--pairs", type=int, default=3, help="alternating HTTP / Python API rounds")
     bs.set_defaults(func=cmd_bench_serve)
+    bq = bsub.add_parser(
+        "quality", help="perplexity of a text through the engine's stages, scored as llama-perplexity"
+    )
+    bq.add_argument("--model", default=None, help=MODEL_HELP)
+    bq.add_argument("--text", type=Path, required=True, help="a UTF-8 text file (at least 2 x ctx tokens)")
+    bq.add_argument("--stages", default="1,2", help="stage counts to compare, e.g. 1,2")
+    bq.add_argument("--ctx", type=int, default=512, help="window of tokens; its second half is scored")
+    bq.add_argument("--chunks", type=int, default=None, help="score only the first N windows")
+    bq.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="llama.cpp's reference on this GGUF (default: the model's source)",
+    )
+    bq.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bq.set_defaults(func=cmd_bench_quality)
+    bsc = bsub.add_parser(
+        "scale", help="a synthetic model larger than any node's memory limit, across 3 local nodes"
+    )
+    bsc.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bsc.add_argument("--bits", type=int, default=4, help="quantization bits of the synthetic model (0: none)")
+    bsc.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="of its scales, biases and norms (default float32: MLX's fast CPU path today)",
+    )
+    bsc.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (~28M each)")
+    bsc.add_argument(
+        "--fraction", type=float, default=0.5, help="each node's limit: this much of the weights"
+    )
+    bsc.add_argument("--tokens", type=int, default=8, help="tokens to generate")
+    bsc.set_defaults(func=cmd_bench_scale)
+    bl = bsub.add_parser(
+        "llama-cpp", help="build llama.cpp's llama-bench and llama-perplexity (the reference)"
+    )
+    bl.add_argument("--build", action="store_true", help="fetch and build them now (about 10 minutes)")
+    bl.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
+    bl.set_defaults(func=cmd_bench_llama_cpp)
     bso = bsub.add_parser(
         "soak", help="minutes of HTTP load through every node of a local cluster, with chaos"
     )

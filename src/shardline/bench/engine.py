@@ -18,8 +18,10 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
+from shardline.bench import llama_cpp
 from shardline.bench.machine import describe
 from shardline.compute import blas
 from shardline.engine.engine import Engine, EngineConfig
@@ -31,6 +33,82 @@ STREAMS = 8
 MEM_SHORT, MEM_LONG = 1024, 16384
 LOAD_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 900
+LLAMA_PROMPT, LLAMA_GEN = 512, 128  # llama-bench's pp512 / tg128, and our one-stage prefill of 512 tokens
+_BARE_RUNNER = (
+    "import mlx.core as mx, mlx_lm, zenoh, shardline.runner.worker, shardline.runner.leader; "
+    "mx.eval(mx.ones(8) + 1); "
+    "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0])"
+)
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """llama.cpp's llama-bench on the model's source GGUF: the other side of the llama.cpp ratios."""
+
+    gguf: Path
+    prompt: int = LLAMA_PROMPT
+    gen: int = LLAMA_GEN
+    repetitions: int = 2
+
+    def bench(self, threads: int) -> dict[str, float]:
+        out = llama_cpp.llama_bench(self.gguf, threads, self.prompt, self.gen, self.repetitions)
+        if out is None:
+            raise RuntimeError(llama_cpp.missing_message())
+        return out
+
+
+def _llama_reference(
+    model: str | None, model_dir: Path, quick: bool
+) -> tuple[LlamaCpp | None, Path | None, str]:
+    """llama.cpp's side when it can run (its binaries, the model's GGUF), the GGUF, and why not otherwise."""
+    from shardline.bench.quality import source_gguf
+
+    gguf = source_gguf(model, model_dir)
+    if gguf is None:
+        return None, None, "no GGUF source known for this model: llama.cpp ratios skipped"
+    if llama_cpp.binary("llama-bench") is None:
+        return None, gguf, llama_cpp.missing_message() + "; llama.cpp ratios skipped"
+    if quick:
+        return LlamaCpp(gguf, prompt=128, gen=16, repetitions=1), gguf, ""
+    return LlamaCpp(gguf), gguf, ""
+
+
+def runtime_allowance_bytes() -> int:
+    """A runner's fixed cost: the peak RSS (VmHWM) of a bare process that imported what a runner imports
+    and ran one MLX op, in the runners' environment. What a stage's weights and KV cache come on top of."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BARE_RUNNER],
+        env=blas.runner_env(1),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout.strip()) * 1024
+
+
+def _hwm(pid: int) -> int:
+    """A process's peak resident memory (VmHWM), 0 where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _stage_memory(engine: Engine) -> list[dict[str, int]]:
+    """Each stage's runner: its peak RSS, its weights and its KV cache at peak (from its heartbeat)."""
+    beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.stage)
+    pids = engine.runner_pids()
+    return [
+        {"peak_rss_bytes": _hwm(pid), "weight_bytes": h.weight_bytes, "kv_peak_bytes": h.kv_peak_bytes}
+        for h, pid in zip(beats, pids, strict=True)
+    ]
+
+
+def _weights_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("model*.safetensors"))
 
 
 def _prompt(n: int, vocab: int, offset: int = 0) -> list[int]:
@@ -162,25 +240,41 @@ def _serial_prefill_tps(model_dir: Path, prompt: list[int]) -> float:
 
 
 def _round(
-    baseline: Baseline, model_dir: Path, vocab: int, chunks: int, decode_tokens: int, check_batched: bool
-) -> tuple[dict, dict]:
-    """One round: each engine run right after the baseline run it is compared with. Its ratios, and the
-    raw figures they come from. One engine is up at a time (an idle one still beats and listens), while
-    the baseline process stays loaded, idle on its input."""
+    baseline: Baseline,
+    model_dir: Path,
+    vocab: int,
+    chunks: int,
+    decode_tokens: int,
+    check_batched: bool,
+    llama: LlamaCpp | None = None,
+) -> tuple[dict, dict, list[dict[str, int]]]:
+    """One round: each engine run right after the baseline run it is compared with. Its ratios, the raw
+    figures they come from, and (first round) each stage's memory. One engine is up at a time (an idle one
+    still beats and listens), while the baseline process stays loaded, idle on its input. llama.cpp's runs sit
+    around the engine runs they are compared with, while no engine is up (A-B-A as with the baseline)."""
     long_prompt = _prompt(chunks * PREFILL_STEP, vocab)
     short_prompt = _prompt(32, vocab, offset=3)
+    llama_prompt = _prompt(llama.prompt if llama else LLAMA_PROMPT, vocab, offset=13)
     stream_prompts = [_prompt(24 + 4 * k, vocab, offset=5 + k) for k in range(STREAMS)]
     raw: dict[str, float] = {}
+    memory: list[dict[str, int]] = []
+    llama_1t = [llama.bench(1)] if llama else []
     # Where a decode token's time goes: each stage's compute (its last step, from its heartbeat) and the rest
     # (hops, framing, the leader's Python between steps), on one stage and on two.
     with _engine(model_dir, 1) as engine:
         raw["s1_single_decode_tps"] = _decode_tps(baseline.run(short_prompt, decode_tokens))
         raw["s1_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
         raw["s1_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
+        raw["s1_prefill_tps"] = len(llama_prompt) / _timed_request(engine, llama_prompt, 1)[0]
+    if llama:
+        llama_1t.append(llama.bench(1))
+        raw["llama_cpp_1t_decode_tps"] = statistics.mean(x["decode_tps"] for x in llama_1t)
+        raw["llama_cpp_1t_prefill_tps"] = statistics.mean(x["prefill_tps"] for x in llama_1t)
 
     # The serial pipeline (one chunk in flight) is an engine of its own: it runs before and after the
     # overlapped one, and the overlap is compared with the mean of the two, like every figure here.
     serial = [_serial_prefill_tps(model_dir, long_prompt)]
+    llama_2t = [llama.bench(2)] if llama else []
     with _engine(model_dir, 2) as engine:
         # Each engine figure sits between two baseline runs and is compared with their mean (A-B-A): drift
         # that is linear over the minute they take cancels out.
@@ -203,6 +297,10 @@ def _round(
         if check_batched:
             alone = [_streams(engine, [p], decode_tokens)[1][0] for p in stream_prompts]
             raw["batched_outputs_mismatched"] = sum(a != b for a, b in zip(alone, together, strict=True))
+            memory = _stage_memory(engine)  # after the long prefill and the 8 streams: every peak is in
+    if llama:
+        llama_2t.append(llama.bench(2))
+        raw["llama_cpp_2t_decode_tps"] = statistics.mean(x["decode_tps"] for x in llama_2t)
 
     serial.append(_serial_prefill_tps(model_dir, long_prompt))
     raw["s2_serial_prefill_tps"] = statistics.mean(serial)
@@ -215,7 +313,22 @@ def _round(
         "throughput_ratio_8streams_vs_1": raw["s2_8stream_tps"] / raw["s2_1stream_after_tps"],
         "throughput_ratio_8streams_vs_single_process": raw["s2_8stream_tps"] / raw["single_decode_tps"],
     }
-    return ratios, raw
+    if llama:
+        ratios["decode_ratio_s1_vs_llama_cpp_1t"] = raw["s1_decode_tps"] / raw["llama_cpp_1t_decode_tps"]
+        ratios["prefill_ratio_s1_vs_llama_cpp_1t"] = raw["s1_prefill_tps"] / raw["llama_cpp_1t_prefill_tps"]
+        ratios["throughput_ratio_8streams_s2_vs_llama_cpp_2t"] = (
+            raw["s2_8stream_tps"] / raw["llama_cpp_2t_decode_tps"]
+        )
+    return ratios, raw, memory
+
+
+def _memory_ratios(memory: list[dict[str, int]], allowance: int) -> list[dict[str, float]]:
+    """Each stage's peak RSS over what it needs: its weights, its KV cache at peak, the runtime allowance."""
+    out = []
+    for m in memory:
+        need = m["weight_bytes"] + m["kv_peak_bytes"] + allowance
+        out.append({**m, "runtime_allowance_bytes": allowance, "ratio": round(m["peak_rss_bytes"] / need, 3)})
+    return out
 
 
 def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: int = 3) -> dict:
@@ -229,16 +342,24 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     pairs = 1 if quick else pairs
     print(f"bench engine: {model_dir.name} on {describe()['cpu']} ({describe()['blas']})", file=sys.stderr)
 
+    llama, gguf, llama_missing = _llama_reference(model, model_dir, quick)
+    if llama_missing:
+        print(f"bench engine: {llama_missing}", file=sys.stderr)
     rounds: dict[str, list[float]] = defaultdict(list)
     raws: dict[str, list[float]] = defaultdict(list)
+    memory: list[dict[str, int]] = []
     with Baseline(model_dir) as baseline:
         for i in range(pairs):
             print(f"bench engine: round {i + 1} of {pairs}", file=sys.stderr)
-            ratios, raw = _round(baseline, model_dir, vocab, chunks, decode_tokens, check_batched=i == 0)
+            ratios, raw, mem_i = _round(
+                baseline, model_dir, vocab, chunks, decode_tokens, check_batched=i == 0, llama=llama
+            )
+            memory = memory or mem_i
             for k, v in ratios.items():
                 rounds[k].append(v)
             for k, v in raw.items():
                 raws[k].append(v)
+    allowance = runtime_allowance_bytes()
 
     mem = {}
     short, long = (256, 1024) if quick else (MEM_SHORT, MEM_LONG)
@@ -259,6 +380,28 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
         "mean; the overlapped prefill likewise between two serial-pipeline runs",
     }
     result.update({k: statistics.median(v) for k, v in rounds.items()})
+    result["decode_tps_s1"] = statistics.median(raws["s1_decode_tps"])
+    result["weights_bytes_ratio_vs_gguf"] = _weights_bytes(model_dir) / gguf.stat().st_size if gguf else None
+    stage_memory = _memory_ratios(memory, allowance)
+    result["peak_rss_ratio_per_stage"] = [m["ratio"] for m in stage_memory]
+    result["stage_memory"] = stage_memory
+    result["memory_setup"] = (
+        "each stage runner's peak RSS (VmHWM, after the long prefill and the 8 streams of round 1) over its "
+        "weights + its KV cache at peak + a runtime allowance: the VmHWM of a bare process that imported a "
+        f"runner's modules (mlx, mlx-lm, zenoh) and ran one MLX op, {allowance / 1e6:.0f} MB here"
+    )
+    result["llama_cpp"] = (
+        {
+            "gguf": llama.gguf.name,
+            "gguf_bytes": llama.gguf.stat().st_size,
+            "llama_bench": f"-p {llama.prompt} -n {llama.gen} -r {llama.repetitions}, pinned to 1, 2 cores",
+            "setup": "llama-bench at 1 thread before and after the one-stage engine's runs, at 2 threads "
+            "before and after the two-stage engine's; each ratio against the mean of its two runs. The "
+            "8-stream figure is against llama.cpp's single-stream decode on 2 threads",
+        }
+        if llama
+        else {"skipped": llama_missing}
+    )
     result["activation_mem_ratio_long_vs_short"] = max(
         lg / max(1, sh) for lg, sh in zip(mem["long"], mem["short"], strict=True)
     )
@@ -289,6 +432,13 @@ TARGETS = {
 }
 
 
+LLAMA_KEYS = (
+    "decode_ratio_s1_vs_llama_cpp_1t",
+    "prefill_ratio_s1_vs_llama_cpp_1t",
+    "throughput_ratio_8streams_s2_vs_llama_cpp_2t",
+)
+
+
 def _print_table(result: dict) -> None:
     m = result["machine"]
     print(
@@ -303,3 +453,14 @@ def _print_table(result: dict) -> None:
     for key, value in result["raw"].items():
         print(f"  {key}: {value if isinstance(value, list) else round(value, 2)}")
     print(f"  decode token profile (ms): {result['decode_token_profile_ms']}")
+    print(f"decode_tps_s1 (one stream, one stage, one core): {result['decode_tps_s1']:.2f}")
+    if "skipped" in result["llama_cpp"]:
+        print(f"llama.cpp: {result['llama_cpp']['skipped']}")
+    else:
+        print(f"against llama.cpp ({result['llama_cpp']['gguf']}; {result['llama_cpp']['setup']}):")
+        for key in LLAMA_KEYS:
+            lo, hi = result["ranges"][key]
+            print(f"{key:46} {result[key]:8.3f} {lo:8.3f}-{hi:<8.3f}")
+    ratio = result["weights_bytes_ratio_vs_gguf"]
+    print(f"weights_bytes_ratio_vs_gguf: {'n/a (no GGUF)' if ratio is None else f'{ratio:.2f}'}")
+    print(f"peak_rss_ratio_per_stage: {result['peak_rss_ratio_per_stage']} ({result['memory_setup']})")

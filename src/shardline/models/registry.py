@@ -10,6 +10,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from shardline.models.gguf_import import (
 from shardline.models.validate import validate_model_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}")  # as nodes list models (weights/files.py)
 CACHE_ENV = "SHARDLINE_CACHE_DIR"
 
 
@@ -57,6 +59,16 @@ def cache_dir() -> Path:
 
 def known_models() -> list[str]:
     return sorted(KNOWN_MODELS)
+
+
+def cached_models() -> list[str]:
+    """Names of the model directories in the cache (imported or written there), known or not."""
+    root = cache_dir()
+    if not root.is_dir():
+        return []
+    return sorted(
+        d.name for d in root.iterdir() if NAME_PATTERN.fullmatch(d.name) and (d / "config.json").is_file()
+    )
 
 
 def _unknown(name: str) -> ModelNotFoundError:
@@ -167,6 +179,12 @@ def resolve_model(name_or_path: str | Path | None, progress: bool = True) -> Pat
         return path.resolve()
     if str(name_or_path) in KNOWN_MODELS:
         return pull(str(name_or_path), progress=progress)
+    # A model that lives in the cache under its name without a wheel (e.g. `shardline models synth`): nodes
+    # serve every model directory of their models root by name, so the CLI finds it by that name too.
+    local = cache_dir() / str(name_or_path)
+    if NAME_PATTERN.fullmatch(str(name_or_path)) and (local / "config.json").is_file():
+        validate_model_dir(local)
+        return local.resolve()
     if path.exists():
         known = ", ".join(known_models())
         raise ModelNotFoundError(f"{path} is a file, not a model directory (known names: {known})")

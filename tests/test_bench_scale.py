@@ -44,6 +44,7 @@ def _footprint(spec: SynthSpec) -> ModelFootprint:
         context_length=spec.context,
         hidden_size=spec.hidden,
         vocab_size=spec.vocab,
+        weight_format=f"mlx {spec.bits}-bit g{spec.group_size}" if spec.bits else spec.dtype,
     )
 
 

@@ -1,0 +1,31 @@
+// Python bindings: nanobind in MLX's domain, so mx.array crosses without copies or conversions.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "mlx/version.h"
+#include "primitive.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_qmm, m) {
+  m.doc() = "shardline's CPU kernel for MLX affine-quantized matmul";
+  m.def("quantized_matmul", &shardline_qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x @ dequantize(w, scales, biases, group_size, bits).T on the CPU (bits 4 or 8; group 32/64/128).");
+  m.def("set_isa", &shardline_qmm::set_isa, "name"_a,
+        "Use the named kernel set (auto, avx512, avx2, neon, scalar); False if this CPU or build lacks it.");
+  m.def("isa", &shardline_qmm::isa, "The kernel set in use.");
+  m.def("set_gemm_rows", &shardline_qmm::set_gemm_rows, "rows"_a,
+        "From this many rows of x on, dequantize tiles and use BLAS (0: never).");
+  m.def("gemm_rows", &shardline_qmm::gemm_rows);
+  m.def("has_blas", &shardline_qmm::has_blas);
+  m.def("set_int8", &shardline_qmm::set_int8, "on"_a,
+        "Quantize x to int8 per block of 32 for the integer-dot kernels (where the CPU has them).");
+  m.def("int8", &shardline_qmm::int8, "Whether the int8-activation kernels are in use.");
+  // The MLX this module was compiled against: its C++ ABI is only promised within one release.
+  m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
+                          std::to_string(MLX_VERSION_PATCH);
+}

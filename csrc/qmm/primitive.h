@@ -1,0 +1,46 @@
+// y = x @ dequantize(w, scales, biases).T as an MLX primitive that runs shardline's CPU kernels.
+#pragma once
+
+#include <string>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace shardline_qmm {
+
+namespace mx = mlx::core;
+
+class QuantizedMatmulCPU : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "ShardlineQuantizedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+// Same semantics as mx::quantized_matmul(x, w, scales, biases, transpose=true, group_size, bits) in affine
+// mode, for bits 4 and 8; throws std::invalid_argument for anything else.
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits);
+
+// Which kernel set runs ("auto" picks the best this CPU has); false if the name is not available here.
+bool set_isa(const std::string& name);
+std::string isa();
+// From how many rows of x a product dequantizes tiles of w and calls BLAS (0: never).
+void set_gemm_rows(int rows);
+int gemm_rows();
+bool has_blas();
+// Whether products below the BLAS threshold quantize x to int8 where the CPU has integer dot products
+// (faster, with x's rounding as the only difference) or stay in float32.
+void set_int8(bool on);
+bool int8();
+
+}  // namespace shardline_qmm

@@ -22,9 +22,9 @@ NB_MODULE(_qmm, m) {
         "From this many rows of x on, dequantize tiles and use BLAS (0: never).");
   m.def("gemm_rows", &shardline_qmm::gemm_rows);
   m.def("has_blas", &shardline_qmm::has_blas);
-  m.def("set_int8", &shardline_qmm::set_int8, "on"_a,
-        "Quantize x to int8 per block of 32 for the integer-dot kernels (where the CPU has them).");
-  m.def("int8", &shardline_qmm::int8, "Whether the int8-activation kernels are in use.");
+  m.def("set_integer", &shardline_qmm::set_integer, "on"_a,
+        "Round x to int16 per block of 32 for the integer-dot kernels (where the CPU has them).");
+  m.def("integer", &shardline_qmm::integer, "Whether the integer-dot kernels are in use.");
   // The MLX this module was compiled against: its C++ ABI is only promised within one release.
   m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                           std::to_string(MLX_VERSION_PATCH);

@@ -36,22 +36,22 @@ using RowsFn = void (*)(const Problem&, int n0, int n1);
 // The dequantized float weights of rows [n0, n1) in prepared (permuted) column order, (n1 - n0) x K.
 using DequantFn = void (*)(const Problem&, int n0, int n1, float* tile);
 
-// x quantized to int8 per block of 32 (llama.cpp's Q8 activations), for the integer-dot kernels.
-struct Q8X {
-  const int8_t* q = nullptr;  // M x K, in the kernel's order
-  const float* dx = nullptr;  // M x K / 32: the step of each block (max |x| / 127)
+// x rounded to int16 per block of 32 (kernel_avx512_int16.h), for the integer-dot kernels.
+struct QX {
+  const int16_t* q = nullptr;  // M x K, in the kernel's order
+  const float* dx = nullptr;  // M x K / 32: the step of each block (max |x| / 32767)
   const float* xsum = nullptr;  // M x K / group_size: sums of the rounded x per weight group (biases)
 };
-using Q8PrepareFn = void (*)(const float* x, int M, int K, int bits, int group_size, int8_t* q, float* dx,
-                             float* xsum);
-using Q8RowsFn = void (*)(const Problem&, const Q8X&, int n0, int n1);
+using QPrepareFn = void (*)(const float* x, int M, int K, int bits, int group_size, int16_t* q, float* dx,
+                            float* xsum);
+using QRowsFn = void (*)(const Problem&, const QX&, int n0, int n1);
 
 struct Kernels {
   const char* name;
   RowsFn rows;
   DequantFn dequant;
-  Q8PrepareFn q8_prepare = nullptr;  // null where the CPU has no fast int8 dot product
-  Q8RowsFn q8_rows = nullptr;
+  QPrepareFn int_prepare = nullptr;  // null where the CPU has no fast integer dot product
+  QRowsFn int_rows = nullptr;
 };
 
 // Asks for the bytes `ahead` of a block of `len` bytes that starts at `at`, up to `end`: the hardware

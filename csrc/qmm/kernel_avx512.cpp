@@ -1,7 +1,9 @@
-// AVX-512 F/BW/VL + FMA + F16C (Skylake-SP, Ice Lake, Zen 4 and later). Chosen at run time.
+// AVX-512 F/BW/VL + FMA + F16C (Skylake-SP and later, Zen 4 and later): the float paths, and the
+// int16-activation kernels on vpmaddwd for CPUs without VNNI. Chosen at run time.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernel.h"
@@ -38,11 +40,15 @@ struct S {
 
 #include "kernel_impl.h"
 
+#define QMM_VNNI 0
+#include "kernel_avx512_int16.h"
+#undef QMM_VNNI
+
 }  // namespace avx512_isa
 
 const Kernels& kernels_avx512() {
   static const Kernels k{"avx512", &avx512_isa::Impl<avx512_isa::S>::rows,
-                         &avx512_isa::Impl<avx512_isa::S>::dequant};
+                         &avx512_isa::Impl<avx512_isa::S>::dequant, &avx512_isa::prepare, &avx512_isa::int_rows};
   return k;
 }
 

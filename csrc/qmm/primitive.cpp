@@ -25,7 +25,7 @@ namespace {
 
 std::atomic<const Kernels*> g_kernels{select_kernels("auto")};
 std::atomic<int> g_gemm_rows{8};
-std::atomic<bool> g_int8{true};
+std::atomic<bool> g_integer{true};
 constexpr int kTileRows = 64;  // rows of w dequantized per BLAS call: 64 x K floats stay in L2
 
 // A's elements in row-major order, whatever its strides (a rare path: MLX hands over contiguous arrays
@@ -90,8 +90,8 @@ void run(const mx::array& x, const mx::array& w, const mx::array& scales, const 
   const Kernels* k = g_kernels.load(std::memory_order_relaxed);
   const int gemm_from = g_gemm_rows.load(std::memory_order_relaxed);
   const bool gemm = gemm_from > 0 && M >= gemm_from && cblas_sgemm;
-  const bool int8 = !gemm && k->q8_rows && g_int8.load(std::memory_order_relaxed);
-  if (bits == 4 && !int8) {
+  const bool integer = !gemm && k->int_rows && g_integer.load(std::memory_order_relaxed);
+  if (bits == 4 && !integer) {
     xp.resize(mk);
     prepare_x(xrows, M, K, bits, xp.data());
     xrows = xp.data();
@@ -116,18 +116,18 @@ void run(const mx::array& x, const mx::array& w, const mx::array& scales, const 
     p.y = ys.data();
   }
 
-  if (int8) {
-    thread_local std::vector<int8_t> q8;
+  if (integer) {
+    thread_local std::vector<int16_t> q16;
     thread_local std::vector<float> dx, xsum;
-    q8.resize(mk);
+    q16.resize(mk);
     dx.resize(size_t(M) * (K / 32));
     xsum.resize(size_t(M) * (K / group_size));
-    k->q8_prepare(xrows, M, K, bits, group_size, q8.data(), dx.data(), xsum.data());
-    Q8X xq;
-    xq.q = q8.data();
+    k->int_prepare(xrows, M, K, bits, group_size, q16.data(), dx.data(), xsum.data());
+    QX xq;
+    xq.q = q16.data();
     xq.dx = dx.data();
     xq.xsum = xsum.data();
-    k->q8_rows(p, xq, 0, N);
+    k->int_rows(p, xq, 0, N);
   } else if (gemm) {
     // Many rows: dequantize a tile of w once and let BLAS reuse it across all of them.
     tile.resize(size_t(kTileRows) * K);
@@ -222,7 +222,7 @@ std::string isa() { return g_kernels.load()->name; }
 void set_gemm_rows(int rows) { g_gemm_rows.store(rows); }
 int gemm_rows() { return g_gemm_rows.load(); }
 bool has_blas() { return cblas_sgemm != nullptr; }
-void set_int8(bool on) { g_int8.store(on); }
-bool int8() { return g_int8.load() && g_kernels.load()->q8_rows; }
+void set_integer(bool on) { g_integer.store(on); }
+bool integer() { return g_integer.load() && g_kernels.load()->int_rows; }
 
 }  // namespace shardline_qmm

@@ -38,9 +38,10 @@ std::string isa();
 void set_gemm_rows(int rows);
 int gemm_rows();
 bool has_blas();
-// Whether products below the BLAS threshold quantize x to int8 where the CPU has integer dot products
-// (faster, with x's rounding as the only difference) or stay in float32.
-void set_int8(bool on);
-bool int8();
+// Whether products below the BLAS threshold round x to int16 per block of 32 for integer dot products
+// where the CPU has them (faster; x's rounding, at most max|x_block| / 65534, is the only difference from
+// the float32 product) or stay in float32.
+void set_integer(bool on);
+bool integer();
 
 }  // namespace shardline_qmm

@@ -18,6 +18,7 @@ from shardline.cluster.weights.verify import missing_tensors
 from shardline.compute import attention
 from shardline.compute.batched import decode_block
 from shardline.compute.linear import InputMajorLinear, make_input_major
+from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -190,8 +191,13 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
     if mx.default_device() == mx.cpu:
         for layer in inner.layers:  # one layer at a time: never every weight in both layouts at once
             make_input_major(layer)
+            make_cpu_quantized(layer)
         if "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head
             model.lm_head = InputMajorLinear.of(model.lm_head)
+        elif "lm_head" in model:
+            model.lm_head = cpu_quantized(model.lm_head)
+        if keep_embed:  # a tied quantized head runs as the embedding's as_linear
+            inner.embed_tokens = cpu_quantized(inner.embed_tokens)
     mx.eval(model.parameters())
     gc.collect()
     shard = Shard(model, layers, config)

@@ -58,3 +58,21 @@ def make_tiny_model(path: Path, arch: str, seed: int = 0, **overrides: int) -> P
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def make_tiny_quantized_model(
+    path: Path, arch: str, bits: int = 4, group_size: int = 32, seed: int = 0, **overrides: int
+) -> Path:
+    """A tiny model quantized in MLX's affine layout (every linear layer and the embedding), saved with
+    the `quantization` config entry that makes mlx-lm build nn.QuantizedLinear / nn.QuantizedEmbedding."""
+    import mlx.nn as nn
+    from mlx_lm.utils import load_model
+
+    source = make_tiny_model(path.with_name(path.name + "-float"), arch, seed=seed, **overrides)
+    model, config = load_model(source)
+    nn.quantize(model, group_size=group_size, bits=bits)
+    config["quantization"] = {"group_size": group_size, "bits": bits}
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path

@@ -1,0 +1,176 @@
+"""Quantized layers on CPU: shardline's native kernel in place of MLX's `quantized_matmul`.
+
+MLX's CPU `quantized_matmul` runs one element at a time: a 4-bit decode step there took about twice the
+time of the float32 product with OpenBLAS, which reads eight times the bytes. The kernel in csrc/qmm (built
+at install as `shardline.compute._qmm`, an MLX primitive) computes the same product from MLX's affine
+layout (packed uint32 weights, one scale and bias per group) with vector code: for a few rows of x it
+rounds x to int16 per block of 32 and uses exact integer dot products where the CPU has them (AVX-512),
+else float32 arithmetic on the dequantized weights; from `gemm_rows` rows on it dequantizes tiles of the
+weights and calls BLAS. The integer path's only difference from the float32 product is x's rounding (at
+most max|x_block| / 65534 per element); SHARDLINE_QMM_INT=0 keeps every product in float32.
+
+GPU builds keep MLX's own kernels: `load_shard` installs these layers only when the default device is the
+CPU. A build without the module (or against another MLX release, whose C++ ABI may differ) falls back to
+MLX's op with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+log = logging.getLogger("shardline.compute")
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+_native: ModuleType | None = None
+_loaded = False
+
+
+def _import_native() -> ModuleType:
+    from shardline.compute import _qmm  # type: ignore[attr-defined]
+
+    return _qmm
+
+
+def native() -> ModuleType | None:
+    """The kernel module, or None (with one warning) where it is missing or was built for another MLX."""
+    global _native, _loaded
+    if _loaded:
+        return _native
+    _loaded = True
+    if os.environ.get("SHARDLINE_QMM", "1") == "0":
+        return None  # asked for MLX's op: no warning
+    try:
+        module = _import_native()
+    except ImportError as exc:
+        log.warning("native quantized kernel unavailable (%s); using MLX's slower quantized_matmul", exc)
+        return None
+    if mx.__version__.split(".dev")[0] != module.MLX_VERSION:
+        log.warning(
+            "native quantized kernel was built against MLX %s, this is MLX %s; using MLX's quantized_matmul "
+            "(reinstall shardline to rebuild it)",
+            module.MLX_VERSION,
+            mx.__version__,
+        )
+        return None
+    if os.environ.get("SHARDLINE_QMM_INT", "1") == "0":
+        module.set_integer(False)
+    _native = module
+    return _native
+
+
+def reset_native() -> None:
+    """Forget the import decision (tests switch the module off and on)."""
+    global _native, _loaded
+    _native, _loaded = None, False
+
+
+def supported(bits: int, group_size: int, mode: str = "affine") -> bool:
+    return mode == "affine" and bits in SUPPORTED_BITS and group_size in SUPPORTED_GROUP_SIZES
+
+
+def quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array:
+    """x @ dequantize(w, scales, biases, group_size, bits).T, on the native kernel when it can."""
+    module = native()
+    if module is not None and supported(bits, group_size):
+        return module.quantized_matmul(x, w, scales, biases, group_size, bits)
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+class CpuQuantizedLinear(nn.Module):
+    """`nn.QuantizedLinear` (affine mode) on the native kernel; same parameters under the same names."""
+
+    def __init__(
+        self,
+        weight: mx.array,
+        scales: mx.array,
+        biases: mx.array,
+        bias: mx.array | None,
+        group_size: int,
+        bits: int,
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.scales = scales
+        self.biases = biases
+        if bias is not None:
+            self.bias = bias
+        self.group_size = group_size
+        self.bits = bits
+
+    @classmethod
+    def of(cls, layer: nn.QuantizedLinear) -> CpuQuantizedLinear:
+        return cls(
+            layer["weight"], layer["scales"], layer["biases"], layer.get("bias"), layer.group_size, layer.bits
+        )
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        return y + self["bias"] if "bias" in self else y
+
+
+class CpuQuantizedEmbedding(nn.Module):
+    """`nn.QuantizedEmbedding` (affine mode) whose `as_linear`, a tied output head, runs the native kernel."""
+
+    def __init__(
+        self, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.scales = scales
+        self.biases = biases
+        self.group_size = group_size
+        self.bits = bits
+
+    @classmethod
+    def of(cls, layer: nn.QuantizedEmbedding) -> CpuQuantizedEmbedding:
+        return cls(layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.dequantize(
+            self["weight"][x],
+            scales=self["scales"][x],
+            biases=self["biases"][x],
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+
+
+def _eligible(m: Any) -> bool:
+    return (
+        getattr(m, "mode", "affine") == "affine"
+        and m.get("biases") is not None
+        and supported(m.bits, m.group_size)
+    )
+
+
+def cpu_quantized(m: nn.Module) -> nn.Module:
+    """The native-kernel twin of a quantized layer it supports, else m itself."""
+    if native() is None:
+        return m
+    if type(m) is nn.QuantizedLinear and _eligible(m):
+        return CpuQuantizedLinear.of(m)
+    if type(m) is nn.QuantizedEmbedding and _eligible(m):
+        return CpuQuantizedEmbedding.of(m)
+    return m
+
+
+def make_cpu_quantized(module: nn.Module) -> None:
+    """Replace every supported quantized layer under module in place (weights are shared, not copied)."""
+    leaves = tree_map_with_path(
+        lambda _p, m: cpu_quantized(m), module.leaf_modules(), is_leaf=nn.Module.is_module
+    )
+    module.update_modules(leaves)

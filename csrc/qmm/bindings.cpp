@@ -1,10 +1,12 @@
 // Python bindings: nanobind in MLX's domain, so mx.array crosses without copies or conversions.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
 #include "mlx/version.h"
+#include "ops.h"
 #include "primitive.h"
 
 namespace nb = nanobind;
@@ -15,6 +17,14 @@ NB_MODULE(_qmm, m) {
   m.def("quantized_matmul", &shardline_qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x @ dequantize(w, scales, biases, group_size, bits).T on the CPU (bits 4 or 8; group 32/64/128).");
+  m.def("quantized_matmul_many", &shardline_qmm::quantized_matmul_many, "x"_a, "ws"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x against several weight sets of one format in one op (x prepared once); one output per set.");
+  m.def("rms_norm", &shardline_qmm::rms_norm, "x"_a, "weight"_a, "eps"_a,
+        "x * rsqrt(mean(x^2) + eps) * weight over the last axis, as one CPU op (float32).");
+  m.def("rope_bthd", &shardline_qmm::rope_bthd, "x"_a, "offsets"_a, "dims"_a, "traditional"_a, "base"_a,
+        "scale"_a, "mx.fast.rope for x laid out (B, T, H, D), position offsets[b] + t, as one CPU op (float32).");
+  m.def("silu_mul", &shardline_qmm::silu_mul, "gate"_a, "up"_a, "silu(gate) * up as one CPU op (float32).");
   m.def("set_isa", &shardline_qmm::set_isa, "name"_a,
         "Use the named kernel set (auto, avx512, avx2, neon, scalar); False if this CPU or build lacks it.");
   m.def("isa", &shardline_qmm::isa, "The kernel set in use.");

@@ -192,10 +192,12 @@ void block(const Problem& p, const QX& xq, int n, int m, const float* ws, const 
   }
   for (int i = 0; i < MB; ++i) {
     float y[R];
+    // The same summation tree for any R: a row's result does not depend on the rows beside it (a fused
+    // projection equals its parts bit for bit).
     if constexpr (R == 4) {
       _mm_storeu_ps(y, reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
     } else {
-      for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[i][r]);
+      for (int r = 0; r < R; ++r) y[r] = _mm_cvtss_f32(reduce4(acc[i][r], acc[i][r], acc[i][r], acc[i][r]));
     }
     if (nb % 2) {
       const int j = nb - 1;

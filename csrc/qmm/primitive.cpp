@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernel.h"
+#include "util.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -28,27 +29,6 @@ std::atomic<int> g_gemm_rows{8};
 std::atomic<bool> g_integer{true};
 constexpr int kTileRows = 64;  // rows of w dequantized per BLAS call: 64 x K floats stay in L2
 
-// A's elements in row-major order, whatever its strides (a rare path: MLX hands over contiguous arrays
-// almost always).
-const uint8_t* contiguous_bytes(const mx::array& a, std::vector<uint8_t>& buf) {
-  if (a.flags().row_contiguous) return a.data<uint8_t>();
-  const size_t es = a.itemsize();
-  buf.resize(a.size() * es);
-  const uint8_t* src = a.data<uint8_t>();
-  const int nd = int(a.ndim());
-  std::vector<int64_t> idx(nd, 0);
-  for (size_t e = 0; e < a.size(); ++e) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * a.strides()[d];
-    std::memcpy(buf.data() + e * es, src + off * int64_t(es), es);
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) break;
-      idx[d] = 0;
-    }
-  }
-  return buf.data();
-}
-
 template <typename T>
 void to_float(const T* src, float* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -65,40 +45,66 @@ ScaleType scale_type(mx::Dtype t) {
   return ScaleType::BF16;
 }
 
-void run(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-         mx::array& out, int group_size, int bits) {
-  const int K = x.shape(-1), N = w.shape(0);
-  const int M = K ? int(x.size() / K) : 0;
-  if (M == 0 || N == 0) return;
-  thread_local std::vector<uint8_t> xb, wb, sbuf, bbuf;
-  thread_local std::vector<float> xf, xp, ys, tile;
-  const size_t mk = size_t(M) * K;
+// x as the chosen kernel path reads it (thread-local buffers, valid until the next call on this thread).
+struct PreparedX {
+  int M = 0, K = 0;
+  const float* rows = nullptr;  // float32, permuted for 4-bit float kernels
+  bool gemm = false, integer = false;
+  QX q;
+};
 
+PreparedX prepare(const mx::array& x, int group_size, int bits) {
+  PreparedX px;
+  px.K = x.shape(-1);
+  px.M = px.K ? int(x.size() / px.K) : 0;
+  const int M = px.M, K = px.K;
+  if (M == 0) return px;
+  thread_local std::vector<uint8_t> xb;
+  thread_local std::vector<float> xf, xp, dx, xsum;
+  thread_local std::vector<int16_t> q16;
+  const size_t mk = size_t(M) * K;
   const uint8_t* xbytes = contiguous_bytes(x, xb);
-  const float* xrows;
   if (x.dtype() == mx::float32) {
-    xrows = reinterpret_cast<const float*>(xbytes);
+    px.rows = reinterpret_cast<const float*>(xbytes);
   } else {
     xf.resize(mk);
     if (x.dtype() == mx::float16)
       to_float(reinterpret_cast<const mx::float16_t*>(xbytes), xf.data(), mk);
     else
       to_float(reinterpret_cast<const mx::bfloat16_t*>(xbytes), xf.data(), mk);
-    xrows = xf.data();
+    px.rows = xf.data();
   }
-
   const Kernels* k = g_kernels.load(std::memory_order_relaxed);
   const int gemm_from = g_gemm_rows.load(std::memory_order_relaxed);
-  const bool gemm = gemm_from > 0 && M >= gemm_from && cblas_sgemm;
-  const bool integer = !gemm && k->int_rows && g_integer.load(std::memory_order_relaxed);
-  if (bits == 4 && !integer) {
+  px.gemm = gemm_from > 0 && M >= gemm_from && cblas_sgemm;
+  px.integer = !px.gemm && k->int_rows && g_integer.load(std::memory_order_relaxed);
+  if (px.integer) {
+    q16.resize(mk);
+    dx.resize(size_t(M) * (K / 32));
+    xsum.resize(size_t(M) * (K / group_size));
+    k->int_prepare(px.rows, M, K, bits, group_size, q16.data(), dx.data(), xsum.data());
+    px.q.q = q16.data();
+    px.q.dx = dx.data();
+    px.q.xsum = xsum.data();
+  } else if (bits == 4) {
     xp.resize(mk);
-    prepare_x(xrows, M, K, bits, xp.data());
-    xrows = xp.data();
+    prepare_x(px.rows, M, K, bits, xp.data());
+    px.rows = xp.data();
   }
+  return px;
+}
+
+// out = px @ dequantize(w, scales, biases).T, with px from prepare() for the same group size and bits.
+void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const mx::array& biases,
+         mx::array& out, int group_size, int bits) {
+  const int M = px.M, K = px.K, N = w.shape(0);
+  if (M == 0 || N == 0) return;
+  thread_local std::vector<uint8_t> wb, sbuf, bbuf;
+  thread_local std::vector<float> ys, tile;
+  const Kernels* k = g_kernels.load(std::memory_order_relaxed);
 
   Problem p;
-  p.x = xrows;
+  p.x = px.rows;
   p.M = M;
   p.K = K;
   p.N = N;
@@ -116,19 +122,9 @@ void run(const mx::array& x, const mx::array& w, const mx::array& scales, const 
     p.y = ys.data();
   }
 
-  if (integer) {
-    thread_local std::vector<int16_t> q16;
-    thread_local std::vector<float> dx, xsum;
-    q16.resize(mk);
-    dx.resize(size_t(M) * (K / 32));
-    xsum.resize(size_t(M) * (K / group_size));
-    k->int_prepare(xrows, M, K, bits, group_size, q16.data(), dx.data(), xsum.data());
-    QX xq;
-    xq.q = q16.data();
-    xq.dx = dx.data();
-    xq.xsum = xsum.data();
-    k->int_rows(p, xq, 0, N);
-  } else if (gemm) {
+  if (px.integer) {
+    k->int_rows(p, px.q, 0, N);
+  } else if (px.gemm) {
     // Many rows: dequantize a tile of w once and let BLAS reuse it across all of them.
     tile.resize(size_t(kTileRows) * K);
     for (int n0 = 0; n0 < N; n0 += kTileRows) {
@@ -152,19 +148,26 @@ bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t
 
 }  // namespace
 
-void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) encoder.set_input_array(in);
-  encoder.set_output_array(out);
-  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                    s = mx::array::unsafe_weak_copy(inputs[2]), b = mx::array::unsafe_weak_copy(inputs[3]),
-                    out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_]() mutable {
-    run(x, w, s, b, out, gs, bits);
+  std::vector<mx::array> ins, outs;
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+    ins.push_back(mx::array::unsafe_weak_copy(in));
+  }
+  for (auto& out : outputs) {
+    encoder.set_output_array(out);
+    outs.push_back(mx::array::unsafe_weak_copy(out));
+  }
+  encoder.dispatch([ins = std::move(ins), outs = std::move(outs), gs = group_size_, bits = bits_]() mutable {
+    // x is prepared once for every weight set: a fused projection pays for it once.
+    const PreparedX px = prepare(ins[0], gs, bits);
+    for (size_t i = 0; i < outs.size(); ++i) run(px, ins[1 + 3 * i], ins[2 + 3 * i], ins[3 + 3 * i], outs[i], gs, bits);
   });
 }
 
-void QuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+void QuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("shardline's quantized_matmul runs on the CPU only");
 }
 
@@ -174,13 +177,19 @@ bool QuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::Shape> QuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {
-  auto shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(0);
-  return {shape};
+  std::vector<mx::Shape> shapes;
+  for (size_t i = 1; i + 2 < inputs.size(); i += 3) {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[i].shape(0);
+    shapes.push_back(shape);
+  }
+  return shapes;
 }
 
-mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
+namespace {
+
+void check(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+           int group_size, int bits) {
   std::ostringstream err;
   if (!supported_bits(bits)) {
     err << "bits " << bits << " is not supported (4 or 8)";
@@ -202,12 +211,33 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
       err << "scales and biases must be (" << N << ", " << K / group_size << ")";
   }
   if (!err.str().empty()) throw std::invalid_argument("quantized_matmul: " + err.str());
-  auto shape = x.shape();
-  shape.back() = w.shape(0);
-  const auto dtype = mx::promote_types(x.dtype(), scales.dtype());
-  return mx::array(std::move(shape), dtype,
-                   std::make_shared<QuantizedMatmulCPU>(mx::default_stream(mx::Device::cpu), group_size, bits),
-                   {x, w, scales, biases});
+}
+
+}  // namespace
+
+std::vector<mx::array> quantized_matmul_many(const mx::array& x, const std::vector<mx::array>& ws,
+                                             const std::vector<mx::array>& scales,
+                                             const std::vector<mx::array>& biases, int group_size, int bits) {
+  if (ws.empty() || ws.size() != scales.size() || ws.size() != biases.size())
+    throw std::invalid_argument("quantized_matmul: as many scales and biases as weights, at least one");
+  std::vector<mx::array> inputs{x};
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check(x, ws[i], scales[i], biases[i], group_size, bits);
+    inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
+    auto shape = x.shape();
+    shape.back() = ws[i].shape(0);
+    shapes.push_back(std::move(shape));
+    dtypes.push_back(mx::promote_types(x.dtype(), scales[i].dtype()));
+  }
+  auto prim = std::make_shared<QuantizedMatmulCPU>(mx::default_stream(mx::Device::cpu), group_size, bits);
+  return mx::array::make_arrays(std::move(shapes), dtypes, prim, inputs);
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  return quantized_matmul_many(x, {w}, {scales}, {biases}, group_size, bits)[0];
 }
 
 bool set_isa(const std::string& name) {

@@ -10,13 +10,14 @@ namespace shardline_qmm {
 
 namespace mx = mlx::core;
 
-class QuantizedMatmulCPU : public mx::UnaryPrimitive {
+// Inputs x, then (w, scales, biases) per weight set; one output per set, all from one preparation of x.
+class QuantizedMatmulCPU : public mx::Primitive {
  public:
   QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "ShardlineQuantizedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
@@ -30,6 +31,11 @@ class QuantizedMatmulCPU : public mx::UnaryPrimitive {
 // mode, for bits 4 and 8; throws std::invalid_argument for anything else.
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits);
+// x against several weight sets of one format at once (a fused q/k/v or gate/up projection): each output
+// equals quantized_matmul(x, w_i, ...) bit for bit, and x is prepared once.
+std::vector<mx::array> quantized_matmul_many(const mx::array& x, const std::vector<mx::array>& ws,
+                                             const std::vector<mx::array>& scales,
+                                             const std::vector<mx::array>& biases, int group_size, int bits);
 
 // Which kernel set runs ("auto" picks the best this CPU has); false if the name is not available here.
 bool set_isa(const std::string& name);

@@ -61,6 +61,12 @@ def native() -> ModuleType | None:
             mx.__version__,
         )
         return None
+    try:  # a module built with another nanobind ABI loads, then refuses MLX's arrays
+        w = mx.zeros((1, 4), dtype=mx.uint32)
+        mx.eval(module.quantized_matmul(mx.zeros((1, 32)), w, mx.ones((1, 1)), mx.zeros((1, 1)), 32, 4))
+    except (TypeError, RuntimeError) as exc:
+        log.warning("native quantized kernel does not run here (%s); using MLX's quantized_matmul", exc)
+        return None
     if os.environ.get("SHARDLINE_QMM_INT", "1") == "0":
         module.set_integer(False)
     _native = module
@@ -174,3 +180,25 @@ def make_cpu_quantized(module: nn.Module) -> None:
         lambda _p, m: cpu_quantized(m), module.leaf_modules(), is_leaf=nn.Module.is_module
     )
     module.update_modules(leaves)
+
+
+def fused_projection(*layers: nn.Module) -> Any:
+    """x -> [layer(x) for layer in layers] as one native op (x prepared once), for quantized layers of one
+    format; None where they are not all native-kernel layers. Each output equals its layer's own, bit for
+    bit: the kernel computes every output row alone."""
+    module = native()
+    if module is None or not layers or any(type(m) is not CpuQuantizedLinear for m in layers):
+        return None
+    group_size, bits = layers[0].group_size, layers[0].bits
+    if any((m.group_size, m.bits) != (group_size, bits) for m in layers):
+        return None
+    ws = [m["weight"] for m in layers]
+    ss = [m["scales"] for m in layers]
+    bs = [m["biases"] for m in layers]
+    biases = [m.get("bias") for m in layers]
+
+    def project(x: mx.array) -> list[mx.array]:
+        outs = module.quantized_matmul_many(x, ws, ss, bs, group_size, bits)
+        return [y if b is None else y + b for y, b in zip(outs, biases, strict=True)]
+
+    return project

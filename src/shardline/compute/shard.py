@@ -16,7 +16,7 @@ from mlx_lm.utils import load_config, load_model
 from shardline.cluster.weights.files import SHARD_MANIFEST
 from shardline.cluster.weights.verify import missing_tensors
 from shardline.compute import attention
-from shardline.compute.batched import decode_block
+from shardline.compute.batched import DecodePlan, decode_block, norm
 from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
@@ -79,6 +79,10 @@ class Shard:
         self.norm = inner.norm if layers.is_last else None
         self.hidden_size = int(config["hidden_size"])
         self.head_split = self._head_split()
+        # On CPU with the native module: each block's native ops for decode positions (batched.DecodePlan).
+        self.plans = [DecodePlan.of(block) for block in self.layers]
+        self.fast_decode = any(p is not None for p in self.plans)
+        self.norm_plan = next((p for p in self.plans if p is not None), None)
 
     def _head_split(self) -> int:
         """Where a tied output head splits between the first and the last stage (0: it does not).
@@ -106,23 +110,30 @@ class Shard:
         Returns hidden states (1, n, D), or on the last stage the logits of the final position (vocab,).
         """
         h = self.embed(x) if self.range.is_first else x
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache, strict=True):
-            h = layer(h, mask, cache=c)
+        if h.shape[1] == 1 and self.fast_decode:  # one decode position: the batched block, one row
+            for block, plan, c in zip(self.layers, self.plans, cache, strict=True):
+                h = decode_block(block, h, [c], plan)
+        else:
+            mask = create_attention_mask(h, cache[0])
+            for layer, c in zip(self.layers, cache, strict=True):
+                h = layer(h, mask, cache=c)
         if not self.range.is_last:
             return h
-        return self.head(self.norm(h[:, -1, :]))[0]
+        return self.head(self.final_norm(h[:, -1, :]))[0]
 
     def forward_rows(self, x: mx.array, caches: list[list[kv_cache.KVCache]]) -> mx.array:
         """One decode position for each of several requests: x is (rows, 1) token ids on the first stage,
         (rows, 1, D) hidden states elsewhere; row i continues caches[i]. Returns (rows, 1, D), or on the last
         stage each row's logits (rows, vocab)."""
         h = self.embed(x) if self.range.is_first else x
-        for j, block in enumerate(self.layers):
-            h = decode_block(block, h, [c[j] for c in caches])
+        for j, (block, plan) in enumerate(zip(self.layers, self.plans, strict=True)):
+            h = decode_block(block, h, [c[j] for c in caches], plan)
         if not self.range.is_last:
             return h
-        return self.head(self.norm(h[:, -1, :]))
+        return self.head(self.final_norm(h[:, -1, :]))
+
+    def final_norm(self, h: mx.array) -> mx.array:
+        return norm(self.norm_plan, self.norm, h) if type(self.norm) is nn.RMSNorm else self.norm(h)
 
     def head(self, h: mx.array) -> mx.array:
         """Normalised hidden states (rows, D) -> logits (rows, vocab); with a split head, the hidden states

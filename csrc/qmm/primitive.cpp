@@ -94,13 +94,14 @@ PreparedX prepare(const mx::array& x, int group_size, int bits) {
   return px;
 }
 
-// out = px @ dequantize(w, scales, biases).T, with px from prepare() for the same group size and bits.
-void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const mx::array& biases,
-         mx::array& out, int group_size, int bits) {
+// y (M x N floats, row stride N) = px @ dequantize(w, scales, biases).T, px from prepare() for the same
+// group size and bits.
+void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const mx::array& biases, float* y,
+         int group_size, int bits) {
   const int M = px.M, K = px.K, N = w.shape(0);
   if (M == 0 || N == 0) return;
   thread_local std::vector<uint8_t> wb, sbuf, bbuf;
-  thread_local std::vector<float> ys, tile;
+  thread_local std::vector<float> tile;
   const Kernels* k = g_kernels.load(std::memory_order_relaxed);
 
   Problem p;
@@ -115,13 +116,7 @@ void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const
   p.group_size = group_size;
   p.bits = bits;
   p.ldy = size_t(N);
-  if (out.dtype() == mx::float32) {
-    p.y = out.data<float>();
-  } else {
-    ys.resize(size_t(M) * N);
-    p.y = ys.data();
-  }
-
+  p.y = y;
   if (px.integer) {
     k->int_rows(p, px.q, 0, N);
   } else if (px.gemm) {
@@ -136,12 +131,22 @@ void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const
   } else {
     k->rows(p, 0, N);
   }
+}
 
-  const size_t mn = size_t(M) * N;
+// out = px @ dequantize(w, scales, biases).T in out's dtype.
+void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const mx::array& biases,
+         mx::array& out, int group_size, int bits) {
+  if (out.dtype() == mx::float32) {
+    run(px, w, scales, biases, out.data<float>(), group_size, bits);
+    return;
+  }
+  thread_local std::vector<float> ys;
+  ys.resize(out.size());
+  run(px, w, scales, biases, ys.data(), group_size, bits);
   if (out.dtype() == mx::float16)
-    from_float(p.y, out.data<mx::float16_t>(), mn);
-  else if (out.dtype() == mx::bfloat16)
-    from_float(p.y, out.data<mx::bfloat16_t>(), mn);
+    from_float(ys.data(), out.data<mx::float16_t>(), ys.size());
+  else
+    from_float(ys.data(), out.data<mx::bfloat16_t>(), ys.size());
 }
 
 bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
@@ -160,9 +165,19 @@ void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vec
     encoder.set_output_array(out);
     outs.push_back(mx::array::unsafe_weak_copy(out));
   }
-  encoder.dispatch([ins = std::move(ins), outs = std::move(outs), gs = group_size_, bits = bits_]() mutable {
+  encoder.dispatch([ins = std::move(ins), outs = std::move(outs), gs = group_size_, bits = bits_,
+                    swiglu = swiglu_]() mutable {
     // x is prepared once for every weight set: a fused projection pays for it once.
     const PreparedX px = prepare(ins[0], gs, bits);
+    if (swiglu) {  // silu(x @ gate.T) * (x @ up.T), float32
+      thread_local std::vector<float> up;
+      up.resize(outs[0].size());
+      float* y = outs[0].data<float>();
+      run(px, ins[1], ins[2], ins[3], y, gs, bits);
+      run(px, ins[4], ins[5], ins[6], up.data(), gs, bits);
+      for (size_t i = 0, n = up.size(); i < n; ++i) y[i] = y[i] / (1.0f + exp_approx(-y[i])) * up[i];
+      return;
+    }
     for (size_t i = 0; i < outs.size(); ++i) run(px, ins[1 + 3 * i], ins[2 + 3 * i], ins[3 + 3 * i], outs[i], gs, bits);
   });
 }
@@ -173,11 +188,16 @@ void QuantizedMatmulCPU::eval_gpu(const std::vector<mx::array>&, std::vector<mx:
 
 bool QuantizedMatmulCPU::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const QuantizedMatmulCPU&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && swiglu_ == o.swiglu_;
 }
 
 std::vector<mx::Shape> QuantizedMatmulCPU::output_shapes(const std::vector<mx::array>& inputs) {
   std::vector<mx::Shape> shapes;
+  if (swiglu_) {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
   for (size_t i = 1; i + 2 < inputs.size(); i += 3) {
     auto shape = inputs[0].shape();
     shape.back() = inputs[i].shape(0);
@@ -238,6 +258,19 @@ std::vector<mx::array> quantized_matmul_many(const mx::array& x, const std::vect
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {
   return quantized_matmul_many(x, {w}, {scales}, {biases}, group_size, bits)[0];
+}
+
+mx::array quantized_swiglu(const mx::array& x, const mx::array& w_gate, const mx::array& s_gate,
+                           const mx::array& b_gate, const mx::array& w_up, const mx::array& s_up,
+                           const mx::array& b_up, int group_size, int bits) {
+  check(x, w_gate, s_gate, b_gate, group_size, bits);
+  check(x, w_up, s_up, b_up, group_size, bits);
+  if (x.dtype() != mx::float32 || s_gate.dtype() != s_up.dtype() || w_gate.shape(0) != w_up.shape(0))
+    throw std::invalid_argument("quantized_swiglu: float32 x, gate and up of one shape and scale dtype");
+  auto shape = x.shape();
+  shape.back() = w_gate.shape(0);
+  auto prim = std::make_shared<QuantizedMatmulCPU>(mx::default_stream(mx::Device::cpu), group_size, bits, true);
+  return mx::array(std::move(shape), mx::float32, prim, {x, w_gate, s_gate, b_gate, w_up, s_up, b_up});
 }
 
 bool set_isa(const std::string& name) {

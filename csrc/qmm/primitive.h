@@ -13,8 +13,8 @@ namespace mx = mlx::core;
 // Inputs x, then (w, scales, biases) per weight set; one output per set, all from one preparation of x.
 class QuantizedMatmulCPU : public mx::Primitive {
  public:
-  QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmulCPU(mx::Stream stream, int group_size, int bits, bool swiglu = false)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), swiglu_(swiglu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -25,6 +25,7 @@ class QuantizedMatmulCPU : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+  bool swiglu_;  // two weight sets (gate, up) -> one output silu(x gate^T) * (x up^T)
 };
 
 // Same semantics as mx::quantized_matmul(x, w, scales, biases, transpose=true, group_size, bits) in affine
@@ -36,6 +37,11 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 std::vector<mx::array> quantized_matmul_many(const mx::array& x, const std::vector<mx::array>& ws,
                                              const std::vector<mx::array>& scales,
                                              const std::vector<mx::array>& biases, int group_size, int bits);
+
+// silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) in one op (an MLP's gate and up projections).
+mx::array quantized_swiglu(const mx::array& x, const mx::array& w_gate, const mx::array& s_gate,
+                           const mx::array& b_gate, const mx::array& w_up, const mx::array& s_up,
+                           const mx::array& b_up, int group_size, int bits);
 
 // Which kernel set runs ("auto" picks the best this CPU has); false if the name is not available here.
 bool set_isa(const std::string& name);

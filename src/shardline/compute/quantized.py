@@ -202,3 +202,19 @@ def fused_projection(*layers: nn.Module) -> Any:
         return [y if b is None else y + b for y, b in zip(outs, biases, strict=True)]
 
     return project
+
+
+def fused_swiglu(gate: nn.Module, up: nn.Module) -> Any:
+    """x -> silu(gate(x)) * up(x) as one native op (bias-free quantized layers of one format), else None."""
+    module = native()
+    if module is None or type(gate) is not CpuQuantizedLinear or type(up) is not CpuQuantizedLinear:
+        return None
+    if (gate.group_size, gate.bits) != (up.group_size, up.bits) or "bias" in gate or "bias" in up:
+        return None
+    args = (gate["weight"], gate["scales"], gate["biases"], up["weight"], up["scales"], up["biases"])
+    group_size, bits = gate.group_size, gate.bits
+
+    def swiglu(x: mx.array) -> mx.array:
+        return module.quantized_swiglu(x, *args, group_size, bits)
+
+    return swiglu

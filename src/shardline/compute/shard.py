@@ -15,8 +15,8 @@ from mlx_lm.utils import load_config, load_model
 
 from shardline.cluster.weights.files import SHARD_MANIFEST
 from shardline.cluster.weights.verify import missing_tensors
-from shardline.compute import attention
-from shardline.compute.batched import DecodePlan, decode_block, norm
+from shardline.compute import attention, quantized
+from shardline.compute.batched import DecodePlan, decode_stack
 from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
@@ -82,7 +82,6 @@ class Shard:
         # On CPU with the native module: each block's native ops for decode positions (batched.DecodePlan).
         self.plans = [DecodePlan.of(block) for block in self.layers]
         self.fast_decode = any(p is not None for p in self.plans)
-        self.norm_plan = next((p for p in self.plans if p is not None), None)
 
     def _head_split(self) -> int:
         """Where a tied output head splits between the first and the last stage (0: it does not).
@@ -110,9 +109,8 @@ class Shard:
         Returns hidden states (1, n, D), or on the last stage the logits of the final position (vocab,).
         """
         h = self.embed(x) if self.range.is_first else x
-        if h.shape[1] == 1 and self.fast_decode:  # one decode position: the batched block, one row
-            for block, plan, c in zip(self.layers, self.plans, cache, strict=True):
-                h = decode_block(block, h, [c], plan)
+        if h.shape[1] == 1 and self.fast_decode:  # one decode position: the batched blocks, one row
+            h = decode_stack(self.layers, self.plans, h, [[c] for c in cache])
         else:
             mask = create_attention_mask(h, cache[0])
             for layer, c in zip(self.layers, cache, strict=True):
@@ -126,14 +124,19 @@ class Shard:
         (rows, 1, D) hidden states elsewhere; row i continues caches[i]. Returns (rows, 1, D), or on the last
         stage each row's logits (rows, vocab)."""
         h = self.embed(x) if self.range.is_first else x
-        for j, (block, plan) in enumerate(zip(self.layers, self.plans, strict=True)):
-            h = decode_block(block, h, [c[j] for c in caches], plan)
+        by_layer = [[c[j] for c in caches] for j in range(len(self.layers))]
+        h = decode_stack(self.layers, self.plans, h, by_layer)
         if not self.range.is_last:
             return h
         return self.head(self.final_norm(h[:, -1, :]))
 
     def final_norm(self, h: mx.array) -> mx.array:
-        return norm(self.norm_plan, self.norm, h) if type(self.norm) is nn.RMSNorm else self.norm(h)
+        """The last stage's norm before the head, as one native op where the decode plans run."""
+        ops = quantized.native() if self.fast_decode else None
+        weight = self.norm.get("weight")
+        if ops is not None and type(self.norm) is nn.RMSNorm and h.dtype == weight.dtype == mx.float32:
+            return ops.rms_norm(h, weight, self.norm.eps)
+        return self.norm(h)
 
     def head(self, h: mx.array) -> mx.array:
         """Normalised hidden states (rows, D) -> logits (rows, vocab); with a split head, the hidden states

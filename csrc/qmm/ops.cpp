@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <functional>
 #include <sstream>
 #include <stdexcept>
@@ -234,13 +235,27 @@ std::vector<mx::array> greedy(const mx::array& logits) {
   auto body = [](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
     const float* x = dense<float>(in, 0);
     const size_t n = in[0].size();
+    // Sixteen partial maxima and sums: loops the compiler vectorises without reassociating anything itself.
+    constexpr size_t W = 16;
+    float part[W];
+    std::fill_n(part, W, -INFINITY);
+    size_t i = 0;
+    for (; i + W <= n; i += W)
+      for (size_t j = 0; j < W; ++j) part[j] = part[j] > x[i + j] ? part[j] : x[i + j];
+    float m = -INFINITY;
+    for (size_t j = 0; j < W; ++j) m = part[j] > m ? part[j] : m;
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
     size_t best = 0;
-    for (size_t i = 1; i < n; ++i)
-      if (x[i] > x[best]) best = i;  // the first of equal maxima, as argmax
-    const float m = x[best];
+    while (best < n && !(x[best] == m)) ++best;  // the first of equal maxima, as argmax
+    if (best == n) best = 0;  // all NaN
     float total = 0.0f;
-    if (std::isfinite(m))
-      for (size_t i = 0; i < n; ++i) total += exp_approx(x[i] - m);
+    if (std::isfinite(m)) {
+      std::fill_n(part, W, 0.0f);
+      for (i = 0; i + W <= n; i += W)
+        for (size_t j = 0; j < W; ++j) part[j] += exp_approx(x[i + j] - m);
+      for (size_t j = 0; j < W; ++j) total += part[j];
+      for (; i < n; ++i) total += exp_approx(x[i] - m);
+    }
     outs[0].data<int32_t>()[0] = int32_t(best);
     outs[1].data<float>()[0] = std::isfinite(m) ? -std::log(total) : (m > 0 ? NAN : -INFINITY);
   };

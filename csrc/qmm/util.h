@@ -37,10 +37,11 @@ inline const uint8_t* contiguous_bytes(const mx::array& a, std::vector<uint8_t>&
 // as 2^whole (exponent bits) times a degree-6 polynomial of the fraction, within 2e-7 relative; the argument
 // is clamped to [-87, 88] (silu needs neither 0 nor inf from it).
 inline float exp_approx(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // not fmin/fmax: their NaN rules block vectorising
   const float t = x * 1.44269504088896341f;
-  const float whole = std::floor(t);
-  const float f = t - whole;  // [0, 1)
+  int32_t whole = int32_t(t);  // truncates; floor without libm, which SSE2 lacks
+  whole -= t < float(whole) ? 1 : 0;
+  const float f = t - float(whole);  // [0, 1)
   float p = 2.154050929e-4f;  // a relative least-squares fit of 2^f on [0, 1): 1e-7 in float32
   p = p * f + 1.248288192e-3f;
   p = p * f + 9.674545855e-3f;
@@ -48,7 +49,7 @@ inline float exp_approx(float x) {
   p = p * f + 2.402294002e-1f;
   p = p * f + 6.931470282e-1f;
   p = p * f + 1.0f;
-  int32_t bits = (int32_t(whole) + 127) << 23;
+  int32_t bits = (whole + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;

@@ -264,3 +264,80 @@ def test_engine_stages_run_the_kernel_and_keep_greedy_tokens(quantized_models, s
         expected, margins = ref.greedy(prompt, 10)
         assert min(margins) > 1e-3
         assert engine.submit(prompt, max_tokens=10).tokens(timeout=120) == expected
+
+
+# --- the native ops of a decode position (batched.decode_stack) ------------------------------------------
+
+
+def test_fused_projections_equal_separate_ones_bitwise():
+    mx.random.seed(4)
+    x = mx.random.normal((5, 1, 576))
+    parts = [mx.quantize(mx.random.normal((n, 576)) * 0.05, group_size=32, bits=4) for n in (576, 193, 7)]
+    for rows in (1, 2, 5):
+        xs = x[:rows]
+        outs = _qmm.quantized_matmul_many(xs, *(list(t) for t in zip(*parts, strict=True)), 32, 4)
+        for out, (q, s, b) in zip(outs, parts, strict=True):
+            assert mx.array_equal(out, _qmm.quantized_matmul(xs, q, s, b, 32, 4))
+    (qg, sg, bg), (qu, su, bu) = (
+        mx.quantize(mx.random.normal((1536, 576)) * 0.05, group_size=32, bits=4) for _ in "gu"
+    )
+    y = _qmm.quantized_swiglu(x, qg, sg, bg, qu, su, bu, 32, 4)
+    gate, up = _qmm.quantized_matmul(x, qg, sg, bg, 32, 4), _qmm.quantized_matmul(x, qu, su, bu, 32, 4)
+    assert mx.allclose(y, nn.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_and_add_rms_norm_match_mlx():
+    mx.random.seed(5)
+    a, b, w = mx.random.normal((3, 1, 576)) * 4, mx.random.normal((3, 1, 576)), mx.random.normal((576,))
+    assert mx.allclose(_qmm.rms_norm(a, w, 1e-5), mx.fast.rms_norm(a, w, 1e-5), rtol=1e-5, atol=1e-6)
+    total, normed = _qmm.add_rms_norm(a, b, w, 1e-5)
+    assert mx.array_equal(total, a + b)
+    assert mx.allclose(normed, mx.fast.rms_norm(a + b, w, 1e-5), rtol=1e-5, atol=1e-6)
+    strided = mx.random.normal((576, 3)).T.reshape(3, 1, 576)  # a transposed view
+    assert mx.allclose(
+        _qmm.rms_norm(strided, w, 1e-6), mx.fast.rms_norm(strided, w, 1e-6), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize(
+    ("dims", "head_dim", "base", "scale"), [(64, 64, 100000.0, 1.0), (16, 32, 10000.0, 0.5)]
+)
+def test_rope_matches_mlx(traditional, dims, head_dim, base, scale):
+    mx.random.seed(6)
+    x = mx.random.normal((3, 1, 4, head_dim)) * 2
+    for offsets in (mx.array([0, 17, 300], dtype=mx.int32), mx.array(41, dtype=mx.int32)):
+        want = mx.fast.rope(
+            x.transpose(0, 2, 1, 3), dims, traditional=traditional, base=base, scale=scale, offset=offsets
+        ).transpose(0, 2, 1, 3)
+        got = _qmm.rope_bthd(x, offsets, dims, traditional, base, scale, head_dim)
+        assert mx.allclose(got, want, rtol=1e-5, atol=2e-5)
+        # The projections' own layout, (B, T, heads * dim), gives the same.
+        flat = _qmm.rope_bthd(x.reshape(3, 1, -1), offsets, dims, traditional, base, scale, head_dim)
+        assert mx.array_equal(flat.reshape(x.shape), got)
+
+
+@pytest.mark.parametrize("length", [1, 5, 300])
+def test_decode_attention_matches_mlx_on_cache_views(length):
+    mx.random.seed(7)
+    heads, kv_heads, dim, scale = 9, 3, 64, 0.125
+    q = mx.random.normal((1, 1, heads * dim))
+    buffer_k, buffer_v = (mx.random.normal((1, kv_heads, 512, dim)) for _ in "kv")
+    keys, values = buffer_k[:, :, :length, :], buffer_v[:, :, :length, :]  # as a KVCache hands them out
+    got = _qmm.decode_attention(q, keys, values, scale)
+    qh = q.reshape(1, heads, 1, dim)
+    want = mx.fast.scaled_dot_product_attention(qh, keys, values, scale=scale).reshape(1, 1, -1)
+    assert got.shape == (1, 1, heads * dim)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_pick_matches_argmax_and_log_softmax():
+    for seed in range(3):
+        logits = mx.random.normal((49152,), key=mx.random.key(seed)) * 6
+        token, logprob = _qmm.greedy(logits)
+        values = np.array(logits, dtype=np.float64)
+        want = values.max() - values.max() - np.log(np.exp(values - values.max()).sum())
+        assert int(token) == int(np.argmax(values))
+        assert abs(float(logprob) - want) < 1e-5
+    tie = mx.array([1.0, 3.0, 3.0, -2.0])
+    assert int(_qmm.greedy(tie)[0]) == 1  # the first of equal maxima, as argmax

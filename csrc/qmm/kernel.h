@@ -56,7 +56,7 @@ struct Kernels {
 
 // Asks for the bytes `ahead` of a block of `len` bytes that starts at `at`, up to `end`: the hardware
 // prefetcher alone left a matrix streamed from DRAM at half the speed of a cached one.
-constexpr size_t kPrefetchBytes = 4096;
+constexpr size_t kPrefetchBytes = 12288;
 inline void prefetch_ahead(const uint8_t* at, size_t len, const uint8_t* end) {
   const uint8_t* from = at + kPrefetchBytes;
   for (size_t off = 0; off < len && from + off < end; off += 64) __builtin_prefetch(from + off);

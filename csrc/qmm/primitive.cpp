@@ -25,7 +25,7 @@ namespace shardline_qmm {
 namespace {
 
 std::atomic<const Kernels*> g_kernels{select_kernels("auto")};
-std::atomic<int> g_gemm_rows{8};
+std::atomic<int> g_gemm_rows{16};
 std::atomic<bool> g_integer{true};
 constexpr int kTileRows = 64;  // rows of w dequantized per BLAS call: 64 x K floats stay in L2
 

@@ -1,7 +1,9 @@
-// AVX2 + FMA + F16C (x86-64 since Haswell / Zen 1). Compiled with those flags only; chosen at run time.
+// AVX2 + FMA + F16C (x86-64 since Haswell / Zen 1): the float paths and the int16-activation kernels.
+// Compiled with those flags only; chosen at run time.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernel.h"
@@ -42,11 +44,13 @@ struct S {
 };
 
 #include "kernel_impl.h"
+#include "kernel_avx2_int16.h"
 
 }  // namespace avx2_isa
 
 const Kernels& kernels_avx2() {
-  static const Kernels k{"avx2", &avx2_isa::Impl<avx2_isa::S>::rows, &avx2_isa::Impl<avx2_isa::S>::dequant};
+  static const Kernels k{"avx2", &avx2_isa::Impl<avx2_isa::S>::rows, &avx2_isa::Impl<avx2_isa::S>::dequant,
+                         &avx2_isa::int16_avx2::prepare, &avx2_isa::int16_avx2::int_rows};
   return k;
 }
 

@@ -3,10 +3,10 @@
 MLX's CPU `quantized_matmul` runs one element at a time: a 4-bit decode step there took about twice the
 time of the float32 product with OpenBLAS, which reads eight times the bytes. The kernel in csrc/qmm (built
 at install as `shardline.compute._qmm`, an MLX primitive) computes the same product from MLX's affine
-layout (packed uint32 weights, one scale and bias per group) with vector code: for a few rows of x it
-rounds x to int16 per block of 32 and uses exact integer dot products where the CPU has them (AVX-512),
-else float32 arithmetic on the dequantized weights; from `gemm_rows` rows on it dequantizes tiles of the
-weights and calls BLAS. The integer path's only difference from the float32 product is x's rounding (at
+layout (packed uint32 weights, one scale and bias per group) with vector code: below `gemm_rows` (16)
+rows of x it rounds x to int16 per block of 32 and uses exact integer dot products (AVX2, AVX-512; float32
+arithmetic on the dequantized weights on other CPUs); from there on it dequantizes tiles of the weights and
+calls BLAS. The integer path's only difference from the float32 product is x's rounding (at
 most max|x_block| / 65534 per element); SHARDLINE_QMM_INT=0 keeps every product in float32.
 
 GPU builds keep MLX's own kernels: `load_shard` installs these layers only when the default device is the

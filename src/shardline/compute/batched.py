@@ -66,12 +66,20 @@ def _rms(layer: Any) -> bool:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """A block's decode position in native ops (None where the block has parts they do not cover)."""
+    """A block's decode position in native ops, with every weight and setting looked up once at load: a
+    module's attribute lookups cost microseconds each, and a decode position makes hundreds."""
 
     ops: Any  # the native module
     rope: tuple[int, bool, float, float]  # dims, traditional, base, scale
-    qkv: Any = None  # x -> [q, k, v] in one op (quantized projections), else the layers one by one
-    swiglu: Any = None  # x -> silu(gate(x)) * up(x) in one op (quantized), else native silu of the two
+    heads: int
+    kv_heads: int
+    scale: float
+    norms: tuple[Any, float, Any, float]  # input and post-attention RMSNorms: weight, eps, weight, eps
+    qk_norms: tuple[Any, float, Any, float] | None  # qwen3's per-head query and key norms
+    qkv: Any  # x -> [q, k, v] (one op for quantized projections)
+    o_proj: Any
+    act: Any  # x -> silu(gate(x)) * up(x) (one op for quantized projections)
+    down: Any
 
     @classmethod
     def of(cls, block: Any) -> DecodePlan | None:
@@ -80,15 +88,36 @@ class DecodePlan:
             return None
         attn, mlp = block.self_attn, block.mlp
         norms = [block.input_layernorm, block.post_attention_layernorm]
-        norms += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
-        if type(attn.rope) is not nn.RoPE or not all(_rms(n) for n in norms):
+        qk = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+        if type(attn.rope) is not nn.RoPE or not all(_rms(n) for n in norms + qk):
             return None  # scaled rope variants, other norms: mlx-lm's ops (decode_block)
         rope = attn.rope
+        qkv = quantized.fused_projection(attn.q_proj, attn.k_proj, attn.v_proj)
+        if qkv is None:
+            q_proj, k_proj, v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+
+            def qkv(x: mx.array) -> list[mx.array]:
+                return [q_proj(x), k_proj(x), v_proj(x)]
+
+        act = quantized.fused_swiglu(mlp.gate_proj, mlp.up_proj)
+        if act is None:
+            gate, up = mlp.gate_proj, mlp.up_proj
+
+            def act(x: mx.array) -> mx.array:
+                return ops.silu_mul(gate(x), up(x))
+
         return cls(
             ops=ops,
             rope=(rope.dims, rope.traditional, float(rope.base), float(rope.scale)),
-            qkv=quantized.fused_projection(attn.q_proj, attn.k_proj, attn.v_proj),
-            swiglu=quantized.fused_swiglu(mlp.gate_proj, mlp.up_proj),
+            heads=attn.n_heads,
+            kv_heads=attn.n_kv_heads,
+            scale=float(attn.scale),
+            norms=tuple(v for n in norms for v in (n["weight"], n.eps)),
+            qk_norms=tuple(v for n in qk for v in (n["weight"], n.eps)) or None,
+            qkv=qkv,
+            o_proj=quantized.direct(attn.o_proj),
+            act=act,
+            down=quantized.direct(mlp.down_proj),
         )
 
 
@@ -105,39 +134,37 @@ def decode_stack(
             pending = None
             h = decode_block(block, h, layer_caches)
         else:
-            h, pending = _native_block(block, plan, h, pending, layer_caches, offsets)
+            h, pending = _native_block(plan, h, pending, layer_caches, offsets)
     return h if pending is None else h + pending
 
 
 def _native_block(
-    block: Any, plan: DecodePlan, h: mx.array, pending: mx.array | None, caches: list[Any], offsets: mx.array
+    plan: DecodePlan, h: mx.array, pending: mx.array | None, caches: list[Any], offsets: mx.array
 ) -> tuple[mx.array, mx.array]:
     """(h, the MLP's output not yet added to it) after one block, h + pending coming in."""
-    ops, attn, mlp = plan.ops, block.self_attn, block.mlp
+    ops = plan.ops
     rows = h.shape[0]
-    norm = block.input_layernorm
+    in_w, in_eps, post_w, post_eps = plan.norms
     if pending is None:
-        x = ops.rms_norm(h, norm["weight"], norm.eps)
+        x = ops.rms_norm(h, in_w, in_eps)
     else:
-        h, x = ops.add_rms_norm(h, pending, norm["weight"], norm.eps)
-    q, k, v = plan.qkv(x) if plan.qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
-    head_dim = q.shape[-1] // attn.n_heads
-    if hasattr(attn, "q_norm"):  # qwen3 normalises queries and keys per head
-        qn, kn = attn.q_norm, attn.k_norm
-        q = ops.rms_norm(q.reshape(rows, 1, attn.n_heads, head_dim), qn["weight"], qn.eps)
-        k = ops.rms_norm(k.reshape(rows, 1, attn.n_kv_heads, head_dim), kn["weight"], kn.eps)
+        h, x = ops.add_rms_norm(h, pending, in_w, in_eps)
+    q, k, v = plan.qkv(x)
+    head_dim = q.shape[-1] // plan.heads
+    if plan.qk_norms is not None:  # qwen3 normalises queries and keys per head
+        qw, q_eps, kw, k_eps = plan.qk_norms
+        q = ops.rms_norm(q.reshape(rows, 1, plan.heads, head_dim), qw, q_eps)
+        k = ops.rms_norm(k.reshape(rows, 1, plan.kv_heads, head_dim), kw, k_eps)
     q = ops.rope_bthd(q, offsets, *plan.rope, head_dim)
     k = ops.rope_bthd(k, offsets, *plan.rope, head_dim)
     # One position per row: (rows, 1, heads * dim) is already (rows, heads, 1, dim), the cache's layout.
-    k = k.reshape(rows, attn.n_kv_heads, 1, head_dim)
-    v = v.reshape(rows, attn.n_kv_heads, 1, head_dim)
+    k = k.reshape(rows, plan.kv_heads, 1, head_dim)
+    v = v.reshape(rows, plan.kv_heads, 1, head_dim)
     qs, ks, vs = (mx.split(t, rows, axis=0) if rows > 1 else [t] for t in (q, k, v))
     outs = []
     for i, cache in enumerate(caches):
         keys, values = cache.update_and_fetch(ks[i], vs[i])
-        outs.append(ops.decode_attention(qs[i], keys, values, attn.scale))  # (1, 1, heads * dim)
+        outs.append(ops.decode_attention(qs[i], keys, values, plan.scale))  # (1, 1, heads * dim)
     o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]
-    norm = block.post_attention_layernorm
-    h, x = ops.add_rms_norm(h, attn.o_proj(o), norm["weight"], norm.eps)
-    act = plan.swiglu(x) if plan.swiglu is not None else ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x))
-    return h, mlp.down_proj(act)
+    h, x = ops.add_rms_norm(h, plan.o_proj(o), post_w, post_eps)
+    return h, plan.down(plan.act(x))

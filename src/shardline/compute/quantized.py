@@ -218,3 +218,16 @@ def fused_swiglu(gate: nn.Module, up: nn.Module) -> Any:
         return module.quantized_swiglu(x, *args, group_size, bits)
 
     return swiglu
+
+
+def direct(layer: nn.Module) -> Any:
+    """layer as a plain function of x: for a native-kernel layer, the op without the module's attribute
+    lookups (a decode position makes a few hundred such calls); any other layer itself."""
+    module = native()
+    if module is None or type(layer) is not CpuQuantizedLinear:
+        return layer
+    w, s, b, bias = layer["weight"], layer["scales"], layer["biases"], layer.get("bias")
+    group_size, bits = layer.group_size, layer.bits
+    if bias is None:
+        return lambda x: module.quantized_matmul(x, w, s, b, group_size, bits)
+    return lambda x: module.quantized_matmul(x, w, s, b, group_size, bits) + bias

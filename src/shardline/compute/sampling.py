@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardline.compute import fastmath
+from shardline.compute import fastmath, quantized
 
 
 class SamplingParams(BaseModel):
@@ -108,6 +108,11 @@ def _pick(
     logits = apply_output_penalties(logits, output or [], params.presence_penalty, params.frequency_penalty)
     # On CPU the vocabulary's exp is most of a greedy step's sampling, and MLX's runs element by element.
     on_cpu = mx.default_device() == mx.cpu
+    ops = quantized.native() if on_cpu else None
+    if params.greedy and not params.top_logprobs and ops is not None and logits.dtype == mx.float32:
+        # The argmax and its log-probability in one pass over the vocabulary: one op, not a dozen.
+        chosen, picked = ops.greedy(logits)
+        return chosen, picked, mx.array([], mx.uint32), mx.array([], mx.float32)
     logprobs = logits - (fastmath.logsumexp(logits) if on_cpu else mx.logsumexp(logits))
     if params.greedy:
         chosen = mx.argmax(logits)

@@ -15,9 +15,10 @@ from mlx_lm.utils import load_config, load_model
 
 from shardline.cluster.weights.files import SHARD_MANIFEST
 from shardline.cluster.weights.verify import missing_tensors
-from shardline.compute import attention
-from shardline.compute.batched import decode_block
+from shardline.compute import attention, quantized
+from shardline.compute.batched import DecodePlan, decode_stack
 from shardline.compute.linear import InputMajorLinear, make_input_major
+from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -78,6 +79,9 @@ class Shard:
         self.norm = inner.norm if layers.is_last else None
         self.hidden_size = int(config["hidden_size"])
         self.head_split = self._head_split()
+        # On CPU with the native module: each block's native ops for decode positions (batched.DecodePlan).
+        self.plans = [DecodePlan.of(block) for block in self.layers]
+        self.fast_decode = any(p is not None for p in self.plans)
 
     def _head_split(self) -> int:
         """Where a tied output head splits between the first and the last stage (0: it does not).
@@ -105,23 +109,34 @@ class Shard:
         Returns hidden states (1, n, D), or on the last stage the logits of the final position (vocab,).
         """
         h = self.embed(x) if self.range.is_first else x
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache, strict=True):
-            h = layer(h, mask, cache=c)
+        if h.shape[1] == 1 and self.fast_decode:  # one decode position: the batched blocks, one row
+            h = decode_stack(self.layers, self.plans, h, [[c] for c in cache])
+        else:
+            mask = create_attention_mask(h, cache[0])
+            for layer, c in zip(self.layers, cache, strict=True):
+                h = layer(h, mask, cache=c)
         if not self.range.is_last:
             return h
-        return self.head(self.norm(h[:, -1, :]))[0]
+        return self.head(self.final_norm(h[:, -1, :]))[0]
 
     def forward_rows(self, x: mx.array, caches: list[list[kv_cache.KVCache]]) -> mx.array:
         """One decode position for each of several requests: x is (rows, 1) token ids on the first stage,
         (rows, 1, D) hidden states elsewhere; row i continues caches[i]. Returns (rows, 1, D), or on the last
         stage each row's logits (rows, vocab)."""
         h = self.embed(x) if self.range.is_first else x
-        for j, block in enumerate(self.layers):
-            h = decode_block(block, h, [c[j] for c in caches])
+        by_layer = [[c[j] for c in caches] for j in range(len(self.layers))]
+        h = decode_stack(self.layers, self.plans, h, by_layer)
         if not self.range.is_last:
             return h
-        return self.head(self.norm(h[:, -1, :]))
+        return self.head(self.final_norm(h[:, -1, :]))
+
+    def final_norm(self, h: mx.array) -> mx.array:
+        """The last stage's norm before the head, as one native op where the decode plans run."""
+        ops = quantized.native() if self.fast_decode else None
+        weight = self.norm.get("weight")
+        if ops is not None and type(self.norm) is nn.RMSNorm and h.dtype == weight.dtype == mx.float32:
+            return ops.rms_norm(h, weight, self.norm.eps)
+        return self.norm(h)
 
     def head(self, h: mx.array) -> mx.array:
         """Normalised hidden states (rows, D) -> logits (rows, vocab); with a split head, the hidden states
@@ -190,8 +205,13 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
     if mx.default_device() == mx.cpu:
         for layer in inner.layers:  # one layer at a time: never every weight in both layouts at once
             make_input_major(layer)
+            make_cpu_quantized(layer)
         if "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head
             model.lm_head = InputMajorLinear.of(model.lm_head)
+        elif "lm_head" in model:
+            model.lm_head = cpu_quantized(model.lm_head)
+        if keep_embed:  # a tied quantized head runs as the embedding's as_linear
+            inner.embed_tokens = cpu_quantized(inner.embed_tokens)
     mx.eval(model.parameters())
     gc.collect()
     shard = Shard(model, layers, config)

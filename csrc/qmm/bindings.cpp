@@ -1,0 +1,51 @@
+// Python bindings: nanobind in MLX's domain, so mx.array crosses without copies or conversions.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+
+#include "mlx/version.h"
+#include "ops.h"
+#include "primitive.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_qmm, m) {
+  m.doc() = "shardline's CPU kernel for MLX affine-quantized matmul";
+  m.def("quantized_matmul", &shardline_qmm::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x @ dequantize(w, scales, biases, group_size, bits).T on the CPU (bits 4 or 8; group 32/64/128).");
+  m.def("quantized_matmul_many", &shardline_qmm::quantized_matmul_many, "x"_a, "ws"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x against several weight sets of one format in one op (x prepared once); one output per set.");
+  m.def("quantized_swiglu", &shardline_qmm::quantized_swiglu, "x"_a, "w_gate"_a, "s_gate"_a, "b_gate"_a,
+        "w_up"_a, "s_up"_a, "b_up"_a, "group_size"_a, "bits"_a,
+        "silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) in one op (float32 x).");
+  m.def("rms_norm", &shardline_qmm::rms_norm, "x"_a, "weight"_a, "eps"_a,
+        "x * rsqrt(mean(x^2) + eps) * weight over the last axis, as one CPU op (float32).");
+  m.def("rope_bthd", &shardline_qmm::rope_bthd, "x"_a, "offsets"_a, "dims"_a, "traditional"_a, "base"_a,
+        "scale"_a, "head_dim"_a,
+        "mx.fast.rope for x laid out (B, T, heads...), position offsets[b] + t, as one CPU op (float32).");
+  m.def("decode_attention", &shardline_qmm::decode_attention, "q"_a, "keys"_a, "values"_a, "scale"_a,
+        "One request's attention at one decode position, as one CPU op (float32) -> (1, 1, heads * dim).");
+  m.def("add_rms_norm", &shardline_qmm::add_rms_norm, "a"_a, "b"_a, "weight"_a, "eps"_a,
+        "(a + b, rms_norm(a + b) * weight) as one CPU op (float32).");
+  m.def("greedy", &shardline_qmm::greedy, "logits"_a,
+        "(argmax, its log-probability) of 1-D float32 logits as one CPU op.");
+  m.def("silu_mul", &shardline_qmm::silu_mul, "gate"_a, "up"_a, "silu(gate) * up as one CPU op (float32).");
+  m.def("set_isa", &shardline_qmm::set_isa, "name"_a,
+        "Use the named kernel set (auto, avx512, avx2, neon, scalar); False if this CPU or build lacks it.");
+  m.def("isa", &shardline_qmm::isa, "The kernel set in use.");
+  m.def("set_gemm_rows", &shardline_qmm::set_gemm_rows, "rows"_a,
+        "From this many rows of x on, dequantize tiles and use BLAS (0: never).");
+  m.def("gemm_rows", &shardline_qmm::gemm_rows);
+  m.def("has_blas", &shardline_qmm::has_blas);
+  m.def("set_integer", &shardline_qmm::set_integer, "on"_a,
+        "Round x to int16 per block of 32 for the integer-dot kernels (where the CPU has them).");
+  m.def("integer", &shardline_qmm::integer, "Whether the integer-dot kernels are in use.");
+  // The MLX this module was compiled against: its C++ ABI is only promised within one release.
+  m.attr("MLX_VERSION") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
+                          std::to_string(MLX_VERSION_PATCH);
+}

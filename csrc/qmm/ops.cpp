@@ -1,0 +1,280 @@
+#include "ops.h"
+
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "util.h"
+
+namespace shardline_qmm {
+
+namespace {
+
+using Body = std::function<void(const std::vector<mx::array>&, std::vector<mx::array>&)>;
+
+// A CPU-only primitive whose work is `body` (outputs allocated, inputs possibly strided: see dense()).
+class SmallOp : public mx::Primitive {
+ public:
+  SmallOp(mx::Stream s, const char* name, Body body) : mx::Primitive(s), name_(name), body_(std::move(body)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> ins, outs;
+    for (const auto& in : inputs) {
+      encoder.set_input_array(in);
+      ins.push_back(mx::array::unsafe_weak_copy(in));
+    }
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      outs.push_back(mx::array::unsafe_weak_copy(out));
+    }
+    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), body = body_]() mutable { body(ins, outs); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("shardline's ") + name_ + " runs on the CPU only");
+  }
+  const char* name() const override { return name_; }
+
+ private:
+  const char* name_;
+  Body body_;
+};
+
+mx::Stream cpu() { return mx::default_stream(mx::Device::cpu); }
+
+mx::array one(const mx::Shape& shape, mx::Dtype dtype, const char* name, Body body, std::vector<mx::array> inputs) {
+  return mx::array(shape, dtype, std::make_shared<SmallOp>(cpu(), name, std::move(body)), std::move(inputs));
+}
+
+
+// Input i's elements in row-major order (copied only where it is a strided view).
+template <typename T>
+const T* dense(const std::vector<mx::array>& in, size_t i) {
+  thread_local std::vector<uint8_t> bufs[3];
+  return reinterpret_cast<const T*>(contiguous_bytes(in[i], bufs[i]));
+}
+
+void need_f32(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(what) + " must be float32");
+}
+
+}  // namespace
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  need_f32(x, "rms_norm: x");
+  need_f32(w, "rms_norm: weight");
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("rms_norm: weight must be 1-D with x's last dimension");
+  const int D = x.shape(-1);
+  auto body = [eps, D](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    mx::array& out = outs[0];
+    const float* xs = dense<float>(in, 0);
+    const float* ws = dense<float>(in, 1);
+    float* ys = out.data<float>();
+    const size_t rows = D ? in[0].size() / D : 0;
+    for (size_t r = 0; r < rows; ++r) {
+      const float* xr = xs + r * D;
+      float* yr = ys + r * D;
+      float ss = 0.0f;
+      for (int i = 0; i < D; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
+      for (int i = 0; i < D; ++i) yr[i] = (xr[i] * inv) * ws[i];
+    }
+  };
+  return one(x.shape(), mx::float32, "ShardlineRMSNorm", body, {x, w});
+}
+
+mx::array rope_bthd(const mx::array& x, const mx::array& offsets, int dims, bool traditional, float base,
+                    float scale, int head_dim) {
+  need_f32(x, "rope: x");
+  if (x.ndim() < 3) throw std::invalid_argument("rope: x must be (B, T, ...) with heads in the trailing axes");
+  const int B = x.shape(0), T = x.shape(1), D = head_dim;
+  const int64_t F = B && T ? int64_t(x.size()) / (int64_t(B) * T) : 0;
+  if (D <= 0 || F % D) throw std::invalid_argument("rope: the trailing axes must hold whole heads of head_dim");
+  if (dims <= 0 || dims % 2 || dims > D) throw std::invalid_argument("rope: bad dims");
+  if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 || (offsets.size() != 1 && int(offsets.size()) != B))
+    throw std::invalid_argument("rope: offsets must be int32, one per batch row or one for all");
+  const int H = int(F / D), half = dims / 2;
+  // MLX's inverse frequencies: exp(-i * log(base) / half), in float32.
+  std::vector<float> inv(half);
+  const float step = std::log(base) / float(half);
+  for (int i = 0; i < half; ++i) inv[i] = std::exp(-float(i) * step);
+  auto body = [B, T, H, D, half, traditional, scale, inv](const std::vector<mx::array>& in,
+                                                          std::vector<mx::array>& outs) {
+    mx::array& out = outs[0];
+    const float* xs = dense<float>(in, 0);
+    const int32_t* off = dense<int32_t>(in, 1);
+    const bool per_row = in[1].size() > 1;
+    float* ys = out.data<float>();
+    std::vector<float> c(half), s(half);
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) {
+        const float pos = float((per_row ? off[b] : off[0]) + t) * scale;
+        for (int i = 0; i < half; ++i) {
+          const float theta = pos * inv[i];
+          c[i] = std::cos(theta);
+          s[i] = std::sin(theta);
+        }
+        for (int h = 0; h < H; ++h) {
+          const size_t base_idx = ((size_t(b) * T + t) * H + h) * D;
+          const float* xr = xs + base_idx;
+          float* yr = ys + base_idx;
+          for (int i = 0; i < half; ++i) {
+            const int a = traditional ? 2 * i : i, z = traditional ? 2 * i + 1 : i + half;
+            const float x1 = xr[a], x2 = xr[z];
+            yr[a] = x1 * c[i] - x2 * s[i];
+            yr[z] = x1 * s[i] + x2 * c[i];
+          }
+          for (int i = 2 * half; i < D; ++i) yr[i] = xr[i];
+        }
+      }
+  };
+  return one(x.shape(), mx::float32, "ShardlineRoPE", body, {x, offsets});
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values, float scale) {
+  need_f32(q, "attention: q");
+  need_f32(keys, "attention: keys");
+  need_f32(values, "attention: values");
+  if (keys.ndim() != 4 || keys.shape(0) != 1 || values.shape() != keys.shape())
+    throw std::invalid_argument("attention: keys and values must be (1, kv_heads, length, head_dim)");
+  const int Hkv = keys.shape(1), L = keys.shape(2), D = keys.shape(3);
+  if (q.size() % D || (q.size() / D) % Hkv) throw std::invalid_argument("attention: q must hold whole heads");
+  const int H = int(q.size() / D), rep = H / Hkv;
+  auto body = [Hkv, L, D, H, rep, scale](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const float* qs = dense<float>(in, 0);
+    // keys and values are views into the cache's buffers: (1, kv_heads, length, head_dim), strided heads.
+    const float* ks = in[1].data<float>();
+    const float* vs = in[2].data<float>();
+    const int64_t ksh = in[1].strides()[1], ksl = in[1].strides()[2], vsh = in[2].strides()[1], vsl = in[2].strides()[2];
+    const bool dense_rows = in[1].strides()[3] == 1 && in[2].strides()[3] == 1;
+    float* out = outs[0].data<float>();
+    thread_local std::vector<float> p, kbuf, vbuf;
+    p.resize(L);
+    if (!dense_rows) {  // head_dim itself strided: gather (not seen from mlx-lm's caches)
+      kbuf.resize(size_t(Hkv) * L * D);
+      vbuf.resize(size_t(Hkv) * L * D);
+      for (int g = 0; g < Hkv; ++g)
+        for (int l = 0; l < L; ++l)
+          for (int d = 0; d < D; ++d) {
+            kbuf[(size_t(g) * L + l) * D + d] = ks[g * ksh + l * ksl + d * in[1].strides()[3]];
+            vbuf[(size_t(g) * L + l) * D + d] = vs[g * vsh + l * vsl + d * in[2].strides()[3]];
+          }
+    }
+    const float* kb = dense_rows ? ks : kbuf.data();
+    const float* vb = dense_rows ? vs : vbuf.data();
+    const int64_t kh = dense_rows ? ksh : int64_t(L) * D, kl = dense_rows ? ksl : D;
+    const int64_t vh = dense_rows ? vsh : int64_t(L) * D, vl = dense_rows ? vsl : D;
+    for (int h = 0; h < H; ++h) {
+      const int g = h / rep;
+      const float* qh = qs + size_t(h) * D;
+      float m = -INFINITY;
+      for (int l = 0; l < L; ++l) {
+        const float* kr = kb + g * kh + l * kl;
+        float sdot = 0.0f;
+        for (int d = 0; d < D; ++d) sdot += qh[d] * kr[d];
+        p[l] = sdot * scale;
+        m = std::fmax(m, p[l]);
+      }
+      float total = 0.0f;
+      for (int l = 0; l < L; ++l) total += (p[l] = exp_approx(p[l] - m));
+      const float inv = 1.0f / total;
+      float* oh = out + size_t(h) * D;
+      for (int d = 0; d < D; ++d) oh[d] = 0.0f;
+      for (int l = 0; l < L; ++l) {
+        const float w = p[l] * inv;
+        const float* vr = vb + g * vh + l * vl;
+        for (int d = 0; d < D; ++d) oh[d] += w * vr[d];
+      }
+    }
+  };
+  return one({1, 1, H * D}, mx::float32, "ShardlineDecodeAttention", body, {q, keys, values});
+}
+
+std::vector<mx::array> add_rms_norm(const mx::array& a, const mx::array& b, const mx::array& w, float eps) {
+  need_f32(a, "add_rms_norm: a");
+  need_f32(b, "add_rms_norm: b");
+  need_f32(w, "add_rms_norm: weight");
+  if (a.shape() != b.shape() || w.ndim() != 1 || a.ndim() < 1 || w.shape(0) != a.shape(-1))
+    throw std::invalid_argument("add_rms_norm: a and b of one shape, weight 1-D with their last dimension");
+  const int D = a.shape(-1);
+  auto body = [eps, D](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const float* as = dense<float>(in, 0);
+    const float* bs = dense<float>(in, 1);
+    const float* ws = dense<float>(in, 2);
+    float* hs = outs[0].data<float>();
+    float* ys = outs[1].data<float>();
+    const size_t rows = D ? in[0].size() / D : 0;
+    for (size_t r = 0; r < rows; ++r) {
+      float* hr = hs + r * D;
+      float ss = 0.0f;
+      for (int i = 0; i < D; ++i) {
+        hr[i] = as[r * D + i] + bs[r * D + i];
+        ss += hr[i] * hr[i];
+      }
+      const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
+      for (int i = 0; i < D; ++i) ys[r * D + i] = (hr[i] * inv) * ws[i];
+    }
+  };
+  auto prim = std::make_shared<SmallOp>(cpu(), "ShardlineAddRMSNorm", body);
+  return mx::array::make_arrays({a.shape(), a.shape()}, {mx::float32, mx::float32}, prim, {a, b, w});
+}
+
+std::vector<mx::array> greedy(const mx::array& logits) {
+  need_f32(logits, "greedy: logits");
+  if (logits.ndim() != 1 || logits.size() == 0) throw std::invalid_argument("greedy: logits must be 1-D");
+  auto body = [](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const float* x = dense<float>(in, 0);
+    const size_t n = in[0].size();
+    // Sixteen partial maxima and sums: loops the compiler vectorises without reassociating anything itself.
+    constexpr size_t W = 16;
+    float part[W];
+    std::fill_n(part, W, -INFINITY);
+    size_t i = 0;
+    for (; i + W <= n; i += W)
+      for (size_t j = 0; j < W; ++j) part[j] = part[j] > x[i + j] ? part[j] : x[i + j];
+    float m = -INFINITY;
+    for (size_t j = 0; j < W; ++j) m = part[j] > m ? part[j] : m;
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    size_t best = 0;
+    while (best < n && !(x[best] == m)) ++best;  // the first of equal maxima, as argmax
+    if (best == n) best = 0;  // all NaN
+    float total = 0.0f;
+    if (std::isfinite(m)) {
+      std::fill_n(part, W, 0.0f);
+      for (i = 0; i + W <= n; i += W)
+        for (size_t j = 0; j < W; ++j) part[j] += exp_approx(x[i + j] - m);
+      for (size_t j = 0; j < W; ++j) total += part[j];
+      for (; i < n; ++i) total += exp_approx(x[i] - m);
+    }
+    outs[0].data<int32_t>()[0] = int32_t(best);
+    outs[1].data<float>()[0] = std::isfinite(m) ? -std::log(total) : (m > 0 ? NAN : -INFINITY);
+  };
+  auto prim = std::make_shared<SmallOp>(cpu(), "ShardlineGreedy", body);
+  return mx::array::make_arrays({{}, {}}, {mx::int32, mx::float32}, prim, {logits});
+}
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up) {
+  need_f32(gate, "silu_mul: gate");
+  need_f32(up, "silu_mul: up");
+  if (gate.shape() != up.shape()) throw std::invalid_argument("silu_mul: gate and up must have one shape");
+  auto body = [](const std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    mx::array& out = outs[0];
+    const float* g = dense<float>(in, 0);
+    const float* u = dense<float>(in, 1);
+    float* y = out.data<float>();
+    for (size_t i = 0, n = out.size(); i < n; ++i) y[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+  };
+  return one(gate.shape(), mx::float32, "ShardlineSiluMul", body, {gate, up});
+}
+
+}  // namespace shardline_qmm

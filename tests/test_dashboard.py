@@ -7,6 +7,7 @@ file order and the last one kills a node. Node a2 requires an API key (the page 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 from collections.abc import Iterator
@@ -235,7 +236,9 @@ def test_sigkill_of_a_stage_node_shows_unreachable_recovering_then_ready(cluster
     cluster.nodes["a2"].kill(signal.SIGKILL)
     expect(on_victim.locator("#conn")).to_have_attribute("data-conn", "retry")
     expect(page.locator('[data-node="a2"]')).to_have_attribute("data-status", "unreachable", timeout=60_000)
-    expect(card).to_have_attribute("data-phase", "recovering", timeout=60_000)
+    # A quantized stage reloads in about a second: the card may pass through "recovering" between two
+    # updates of the page, so what is asserted is the recovery it counts, then ready again.
+    expect(card).to_contain_text(re.compile(r"\b[1-9][0-9]* recover"), timeout=180_000)
     expect(card).to_have_attribute("data-phase", "ready", timeout=180_000)
     failure = page.locator('#timeline [data-kind="failure"]').first
     # The reason (which detector saw it first: the link or the membership) names the node, and the pause.

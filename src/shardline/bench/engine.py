@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.bench import llama_cpp
-from shardline.bench.machine import describe
+from shardline.bench.machine import describe, peak_rss
 from shardline.compute import blas
 from shardline.engine.engine import Engine, EngineConfig
 
@@ -86,23 +86,12 @@ def runtime_allowance_bytes() -> int:
     return int(done.stdout.strip()) * 1024
 
 
-def _hwm(pid: int) -> int:
-    """A process's peak resident memory (VmHWM), 0 where /proc does not say."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def _stage_memory(engine: Engine) -> list[dict[str, int]]:
     """Each stage's runner: its peak RSS, its weights and its KV cache at peak (from its heartbeat)."""
     beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.stage)
     pids = engine.runner_pids()
     return [
-        {"peak_rss_bytes": _hwm(pid), "weight_bytes": h.weight_bytes, "kv_peak_bytes": h.kv_peak_bytes}
+        {"peak_rss_bytes": peak_rss(pid), "weight_bytes": h.weight_bytes, "kv_peak_bytes": h.kv_peak_bytes}
         for h, pid in zip(beats, pids, strict=True)
     ]
 

@@ -29,3 +29,14 @@ def describe() -> dict[str, str | int]:
         "device": str(mx.default_device()),
         "blas": blas.describe(),
     }
+
+
+def peak_rss(pid: int) -> int:
+    """A process's peak resident memory (VmHWM), 0 where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

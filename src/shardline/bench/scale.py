@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from shardline.bench.machine import describe
+from shardline.bench.machine import describe, peak_rss
 from shardline.cluster.placement import (
     DEFAULT_RESERVE_TOKENS,
     ModelFootprint,
@@ -121,22 +121,11 @@ class PeakSampler:
                 except psutil.Error:
                     continue
                 seen = self.peaks.setdefault(node_id, {})
-                seen[pid] = max(seen.get(pid, 0), rss, _hwm(pid))
+                seen[pid] = max(seen.get(pid, 0), rss, peak_rss(pid))
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):  # a sampling period, not a synchronisation
             self.sample()
-
-
-def _hwm(pid: int) -> int:
-    """The kernel's peak RSS of a process (VmHWM), 0 where /proc does not say."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def _prompt(model_dir: Path) -> list[int]:

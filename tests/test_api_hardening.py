@@ -267,3 +267,37 @@ def test_health_on_a_keyless_node_tells_callers_from_elsewhere_only_the_status()
     keyless: Any = SimpleNamespace(settings=ApiSettings(host="0.0.0.0"))
     assert may_see_cluster(keyless, caller("127.0.0.1")) and may_see_cluster(keyless, caller("::1"))
     assert not may_see_cluster(keyless, caller("192.0.2.7"))
+
+
+# ---- keep-alive ------------------------------------------------------------------------------------------------
+
+
+def _get_on(sock: Any, host: str) -> bytes:
+    sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        assert chunk, "the node closed the connection instead of answering"
+        data += chunk
+    return data
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(open_node):
+    """The client must be the side that closes an idle keep-alive connection: if the node closed it at the
+    moment a client reused it, the client would get a reset for a request the node never read."""
+    import select
+    import socket
+
+    from shardline.api.server import KEEP_ALIVE_S
+
+    httpx_expiry = httpx.Limits().keepalive_expiry or 0.0
+    assert KEEP_ALIVE_S > 2 * httpx_expiry
+    host = open_node.removeprefix("http://")
+    address, port = host.rsplit(":", 1)
+    with socket.create_connection((address, int(port)), timeout=10) as sock:
+        assert _get_on(sock, host).startswith(b"HTTP/1.1 200")
+        # Idle past httpx's expiry: the node must neither close nor send anything.
+        readable, _, _ = select.select([sock], [], [], httpx_expiry + 2.0)
+        assert not readable, "the node closed an idle connection before the client's pool would"
+        assert _get_on(sock, host).startswith(b"HTTP/1.1 200")

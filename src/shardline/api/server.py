@@ -7,13 +7,13 @@ import threading
 
 import uvicorn
 
-# Longer than any common client's pool expiry (httpx 5 s, aiohttp 15 s, undici 4 s), so the client closes an idle
-# connection first. With uvicorn's 5 s default, a client reusing a connection idle ~5 s races the server's close
-# and gets a reset for a request the node never read.
-KEEP_ALIVE_S = 75
-
 from shardline.api.app import build_app
 from shardline.api.service import Service
+
+# Longer than any common client's pool expiry (httpx 5 s, aiohttp 15 s, undici 4 s), so the client closes
+# an idle connection first. With uvicorn's 5 s default, a client reusing a connection idle ~5 s races the
+# server's close and gets a reset for a request the node never read.
+KEEP_ALIVE_S = 75
 
 
 class ApiServer:

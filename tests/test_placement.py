@@ -24,6 +24,7 @@ from shardline.cluster.placement import (
     footprint_from_dir,
     place,
     preview,
+    split_for_stages,
 )
 from shardline.models.errors import CorruptModelError
 
@@ -106,6 +107,8 @@ def test_footprint_of_default_model_and_its_placements() -> None:
     assert fp.weight_format == "q4_1→affine4/g32, q8_0→affine8/g32"
     two = place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(2)])
     assert two.stages[0].end > 15  # the last stage also runs the (tied) head
+    first, last = split_for_stages(fp, 2)  # the engine's split of one machine's cores: the same reason
+    assert first == (0, two.stages[0].end) and last[1] - last[0] < 15
     for placement in (two, place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(3)])):
         first, last = placement.stages[0], placement.stages[-1]
         assert first.weight_bytes >= fp.embed_bytes and last.weight_bytes >= fp.embed_bytes  # tied: both
@@ -152,7 +155,12 @@ def brute_force(
     """(slowest stage time, stages) of every valid placement with stages in node_id order."""
     n, order = fp.layers, sorted(nodes, key=lambda x: x.node_id)
     head = fp.head_bytes + (fp.embed_bytes if fp.tied else 0)
-    hop = req.hop_cost_fraction * (sum(fp.layer_bytes) + head) / (max(x.compute_score for x in nodes) * 1e9)
+    per = fp.layer_overhead_bytes
+    hop = (
+        req.hop_cost_fraction
+        * (sum(fp.layer_bytes) + per * n + head)
+        / (max(x.compute_score for x in nodes) * 1e9)
+    )
     found = []
     for k in range(1, min(len(order), n, req.max_stages or n) + 1):
         for chosen in itertools.combinations(order, k):
@@ -161,7 +169,8 @@ def brute_force(
                 stages = list(zip(chosen, itertools.pairwise(bounds), strict=True))
                 if all(need(fp, req, s, e) <= x.available_bytes for x, (s, e) in stages):
                     times = [
-                        (sum(fp.layer_bytes[s:e]) + (head if e == n else 0)) / (x.compute_score * 1e9)
+                        (sum(fp.layer_bytes[s:e]) + per * (e - s) + (head if e == n else 0))
+                        / (x.compute_score * 1e9)
                         + (hop if k > 1 else 0.0)
                         for x, (s, e) in stages
                     ]
@@ -170,7 +179,7 @@ def brute_force(
 
 
 footprints = st.builds(
-    lambda layer_units, embed, head, tied, kv: synthetic(
+    lambda layer_units, embed, head, tied, kv, per: synthetic(
         len(layer_units),
         0.0,
         layer_bytes=[u * U for u in layer_units],
@@ -178,12 +187,14 @@ footprints = st.builds(
         head_bytes=head * U,
         tied=tied,
         kv_bytes_per_token_per_layer=kv * U // 256,
+        layer_overhead_bytes=per * U,
     ),
     st.lists(st.integers(0, 30), min_size=1, max_size=7),
     st.integers(0, 30),
     st.integers(0, 10),
     st.booleans(),
     st.integers(0, 10),
+    st.integers(0, 3),
 )
 node_sets = st.lists(
     st.tuples(st.integers(0, 200), st.sampled_from([0.5, 1.0, 2.0, 3.0])), min_size=0, max_size=4
@@ -338,3 +349,32 @@ def test_inputs_are_checked() -> None:
     short, one = synthetic(2, 0.001, context_length=1000), [NodeCapacity("x", G, 1.0)]
     assert place(short, one, TINY).reserve_tokens == 256
     assert place(short, one).reserve_tokens == 1024  # min(context, 4096), rounded up to the KV cache's step
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=300, deadline=None)
+@given(footprints, st.integers(1, 7))
+def test_split_for_stages_is_the_least_slowest_stage_of_exactly_that_many(
+    fp: ModelFootprint, stages: int
+) -> None:
+    """The engine's split of one machine's cores: exactly `stages` ranges, none better by brute force."""
+    if stages > fp.layers:
+        with pytest.raises(ValueError, match="cannot split"):
+            split_for_stages(fp, stages)
+        return
+    n, head = fp.layers, fp.head_bytes + (fp.embed_bytes if fp.tied else 0)
+
+    def slowest(ranges: list[tuple[int, int]]) -> int:
+        return max(
+            sum(fp.layer_bytes[s:e]) + fp.layer_overhead_bytes * (e - s) + (head if e == n else 0)
+            for s, e in ranges
+        )
+
+    got = split_for_stages(fp, stages)
+    assert len(got) == stages and got[0][0] == 0 and got[-1][1] == n
+    assert all(s < e for s, e in got) and all(a[1] == b[0] for a, b in itertools.pairwise(got))
+    best = min(
+        slowest(list(itertools.pairwise([0, *cuts, n])))
+        for cuts in itertools.combinations(range(1, n), stages - 1)
+    )
+    assert slowest(got) == best

@@ -21,7 +21,8 @@ import psutil
 from pydantic import Field
 
 from shardline.cluster.keys import ClusterKeys
-from shardline.compute.shard import check_architecture, split_layers
+from shardline.cluster.placement import footprint_from_dir, split_for_stages
+from shardline.compute.shard import check_architecture
 from shardline.controller.controller import InstanceController, Launch
 from shardline.controller.settings import InstanceSettings
 from shardline.controller.state import ControllerConfig, Failure
@@ -108,6 +109,11 @@ class Engine:
         self.submit = self.front.submit
         self.cancel = self.front.cancel
         hidden = int(self.model_config.get("hidden_size") or 1024)
+        self._ranges = (
+            split_for_stages(footprint_from_dir(config.model_dir), config.stages)
+            if 1 <= config.stages <= self.layers
+            else []
+        )
         self.controller = (
             InstanceController(
                 self.session,
@@ -122,10 +128,11 @@ class Engine:
         )
 
     def _layout(self, agent_key: str, generation: int) -> list[Launch]:
-        """Every stage on this machine's agent, the layers split evenly."""
+        """Every stage on this machine's agent, the layers split by placement's cost model (the head's stage
+        gets fewer), so that equal cores take about equally long."""
         launches = []
-        for stage, lr in enumerate(split_layers(self.layers, self.config.stages)):
-            spec, threads = self._spec_for(generation, stage, lr.start, lr.end)
+        for stage, (start, end) in enumerate(self._ranges):
+            spec, threads = self._spec_for(generation, stage, start, end)
             launches.append((agent_key, m.StartRunner(spec=spec, threads=threads)))
         return launches
 

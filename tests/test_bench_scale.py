@@ -9,6 +9,7 @@ import pytest
 
 from shardline.bench.scale import BENCH_SPEC, REQUEST, _nodes_report, kv_bytes, node_limit
 from shardline.cluster.placement import (
+    LAYER_OVERHEAD_BYTES,
     ModelFootprint,
     NodeCapacity,
     PlacementError,
@@ -45,6 +46,7 @@ def _footprint(spec: SynthSpec) -> ModelFootprint:
         hidden_size=spec.hidden,
         vocab_size=spec.vocab,
         weight_format=f"mlx {spec.bits}-bit g{spec.group_size}" if spec.bits else spec.dtype,
+        layer_overhead_bytes=LAYER_OVERHEAD_BYTES,
     )
 
 

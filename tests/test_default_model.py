@@ -46,6 +46,45 @@ def test_default_model_answers_paris_on_two_stages(default_model, start_engine):
     assert "Paris" in answer, answer
 
 
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What colour is the sky on a clear day?",
+    "Name a famous painting.",
+    "How many legs does a spider have?",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quantized_greedy_text_is_the_same_on_one_two_and_three_stages(default_model, start_engine):
+    """The imported (quantized) default model: 8 chat prompts, greedy, the same text on S = 1, 2 and 3."""
+    tokenizer = load_tokenizer(default_model)
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for q in PROMPTS
+    ]
+    texts: dict[int, list[str]] = {}
+    for stages in (1, 2, 3):
+        engine = start_engine(default_model, stages, prefill_step=64)
+        handles = [
+            engine.submit(p, max_tokens=24, stop_tokens=list(tokenizer.eos_token_ids)) for p in prompts
+        ]
+        texts[stages] = [tokenizer.decode(h.tokens(timeout=240)) for h in handles]
+        engine.shutdown()
+    assert all(texts[1]) and "Paris" in texts[1][0], texts[1]
+    assert texts[2] == texts[1], (texts[1], texts[2])
+    assert texts[3] == texts[1], (texts[1], texts[3])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_generate_streams_answer_and_leaves_nothing(default_model):

@@ -34,7 +34,12 @@ SCHEMAS: list[dict] = [
     {
         "type": "object",
         "properties": {
-            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
             "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
         },
         "required": ["tags", "score"],

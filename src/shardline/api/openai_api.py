@@ -195,6 +195,9 @@ async def start_choices(
     stops: list[str],
 ) -> list[ActiveRequest]:
     """Submit the request's n choices (all or none): each is a request of its own through the front."""
+    n = req.n or 1
+    if n > service.settings.max_pending:
+        raise bad_request(f"n is {n}; this node runs at most {service.settings.max_pending} at once", "n")
     constraint = await asyncio.to_thread(checked, sampling.constraint)
     sampling = sampling.model_copy(update={"constraint": constraint})
 
@@ -204,7 +207,7 @@ async def start_choices(
 
     runs: list[ActiveRequest] = []
     try:
-        for i in range(req.n or 1):
+        for i in range(n):
             runs.append(
                 await service.start(
                     endpoint,

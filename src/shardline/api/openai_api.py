@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
+from shardline.api.formats import check_bias_tokens, checked, constraint_of, logit_bias_of
 from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
 from shardline.api.stops import checked_stops
-from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
+from shardline.api.streaming import STREAMED_SSE, RunGroup, merged, sse, stream_response, whole_all
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
 
@@ -53,6 +55,8 @@ class Sampling(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # Not OpenAI's, but what local servers accept too.
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -68,7 +72,6 @@ class ChatRequest(Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -155,8 +158,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 
 def sampling_of(req: Sampling, top_logprobs: int = 0) -> SamplingParams:
-    if req.n not in (None, 1):
-        raise unsupported("n", "n > 1 (several choices per request)")
+    """The settings of the request's first choice (see choice_sampling for the others); its constraint is
+    parsed here and compiled by `checked`."""
     fields: dict[str, Any] = {
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": req.top_p or 1.0,
@@ -166,10 +169,61 @@ def sampling_of(req: Sampling, top_logprobs: int = 0) -> SamplingParams:
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
         "top_logprobs": top_logprobs,
+        "logit_bias": logit_bias_of(req.logit_bias),
+        "constraint": constraint_of(req.response_format),
     }
     if req.seed is not None:
         fields["seed"] = req.seed % (2**63)
     return SamplingParams(**fields)
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n: seed + i when a seed was given (so it equals a lone request with that seed), else a
+    seed of its own (drawn by the front)."""
+    if index == 0 or "seed" not in sampling.model_fields_set:
+        return sampling
+    return sampling.model_copy(update={"seed": (sampling.seed + index) % (2**63)})
+
+
+async def start_choices(
+    service: Service,
+    endpoint: str,
+    req: Sampling,
+    prompt: Callable[[ModelText], list[int]],
+    max_tokens: int | None,
+    sampling: SamplingParams,
+    stops: list[str],
+) -> list[ActiveRequest]:
+    """Submit the request's n choices (all or none): each is a request of its own through the front."""
+    n = req.n or 1
+    if n > service.settings.max_pending:
+        raise bad_request(f"n is {n}; this node runs at most {service.settings.max_pending} at once", "n")
+    constraint = await asyncio.to_thread(checked, sampling.constraint)
+    sampling = sampling.model_copy(update={"constraint": constraint})
+
+    def ids(text: ModelText) -> list[int]:
+        check_bias_tokens(sampling.logit_bias, text.vocab_size)
+        return prompt(text)
+
+    runs: list[ActiveRequest] = []
+    try:
+        for i in range(n):
+            runs.append(
+                await service.start(
+                    endpoint,
+                    req.model,
+                    ids,
+                    max_tokens,
+                    choice_sampling(sampling, i),
+                    stops,
+                    ignore_eos=bool(req.ignore_eos),
+                )
+            )
+    except BaseException:
+        for run in runs:
+            run.close()
+        raise
+    return runs
 
 
 def message_text(content: str | list[TextPart] | None) -> str:
@@ -191,9 +245,6 @@ def _check_chat(req: ChatRequest) -> None:
         raise unsupported("tools", "tools (function calling)")
     if req.tool_choice not in (None, "none"):
         raise unsupported("tool_choice", "tool_choice")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise unsupported("response_format", f"response_format {fmt!r}")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
@@ -222,12 +273,16 @@ def _prompt_ids(prompt: Any, text: ModelText) -> list[int]:
 # ---- formatting --------------------------------------------------------------------------------------------
 
 
-def _usage(o: Outcome) -> dict[str, int]:
-    return {
-        "prompt_tokens": o.prompt_tokens,
-        "completion_tokens": o.completion_tokens,
-        "total_tokens": o.prompt_tokens + o.completion_tokens,
-    }
+def _usage(outcomes: list[Outcome]) -> dict[str, int]:
+    """The prompt once, the completion tokens of every choice."""
+    prompt = outcomes[0].prompt_tokens
+    completion = sum(o.completion_tokens for o in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _timings(outcomes: list[Outcome]) -> dict[str, float | None]:
+    """The first choice's figures, over the time all of them took."""
+    return {**outcomes[0].timings.as_dict(), "total_s": round(max(o.timings.total_s for o in outcomes), 6)}
 
 
 def _token_logprob(t: Token, text: ModelText) -> dict[str, Any]:
@@ -279,37 +334,35 @@ def router(service: Service) -> APIRouter:
         sampling = sampling_of(req, top)
         stops = _stops(req.stop)
         messages = chat_messages(req.messages)
-        run = await service.start(
-            "chat",
-            req.model,
-            lambda text: text.chat(messages),
-            req.max_completion_tokens or req.max_tokens,
-            sampling,
-            stops,
-            ignore_eos=bool(req.ignore_eos),
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        runs = await start_choices(
+            service, "chat", req, lambda text: text.chat(messages), max_tokens, sampling, stops
         )
-        text = run.text
+        group = RunGroup(runs)
+        text = runs[0].text
         want_lp = bool(req.logprobs)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(run, lambda run: _chat_events(run, text, want_lp, usage), "openai")
-        outcome = await whole(request, run)
-        logprobs = None
-        if want_lp:
-            logprobs = {"content": [_token_logprob(t, text) for t in run.used]}
-        return ChatCompletion(
-            id=f"chatcmpl-{run.id}",
-            created=run.created,
-            model=run.model,
-            choices=[
+            return stream_response(group, lambda g: _chat_events(g.runs, text, want_lp, usage), "openai")
+        outcomes = await whole_all(request, group)
+        choices = []
+        for i, (run, outcome) in enumerate(zip(runs, outcomes, strict=True)):
+            logprobs = {"content": [_token_logprob(t, text) for t in run.used]} if want_lp else None
+            choices.append(
                 ChatChoice(
+                    index=i,
                     message=AssistantMessage(content=outcome.text),
                     logprobs=logprobs,
                     finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
                 )
-            ],
-            usage=Usage(**_usage(outcome)),
-            timings=Timings(**outcome.timings.as_dict()),  # type: ignore[arg-type]
+            )
+        return ChatCompletion(
+            id=f"chatcmpl-{runs[0].id}",
+            created=runs[0].created,
+            model=runs[0].model,
+            choices=choices,
+            usage=Usage(**_usage(outcomes)),
+            timings=Timings(**_timings(outcomes)),  # type: ignore[arg-type]
         )
 
     @r.post("/v1/completions", response_model=Completion, responses={**ERRORS, 200: STREAMED_SSE})
@@ -322,88 +375,103 @@ def router(service: Service) -> APIRouter:
             raise unsupported("best_of", "best_of > 1")
         prompt = _completion_prompt(req)
         sampling = sampling_of(req, req.logprobs or 0)
-        run = await service.start(
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
+        runs = await start_choices(
+            service,
             "completions",
-            req.model,
+            req,
             lambda text: _prompt_ids(prompt, text),
-            req.max_tokens if req.max_tokens is not None else 16,  # OpenAI's default for completions
+            max_tokens,
             sampling,
             _stops(req.stop),
-            ignore_eos=bool(req.ignore_eos),
         )
-        text = run.text
+        group = RunGroup(runs)
+        text = runs[0].text
         want_lp = req.logprobs is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(run, lambda run: _completion_events(run, text, want_lp, usage), "openai")
-        outcome = await whole(request, run)
+            return stream_response(
+                group, lambda g: _completion_events(g.runs, text, want_lp, usage), "openai"
+            )
+        outcomes = await whole_all(request, group)
         return Completion(
-            id=f"cmpl-{run.id}",
-            created=run.created,
-            model=run.model,
+            id=f"cmpl-{runs[0].id}",
+            created=runs[0].created,
+            model=runs[0].model,
             choices=[
                 CompletionChoice(
+                    index=i,
                     text=outcome.text,
                     logprobs=_completion_logprobs(run.used, text) if want_lp else None,
                     finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
                 )
+                for i, (run, outcome) in enumerate(zip(runs, outcomes, strict=True))
             ],
-            usage=Usage(**_usage(outcome)),
-            timings=Timings(**outcome.timings.as_dict()),  # type: ignore[arg-type]
+            usage=Usage(**_usage(outcomes)),
+            timings=Timings(**_timings(outcomes)),  # type: ignore[arg-type]
         )
 
     return r
 
 
 async def _chat_events(
-    run: ActiveRequest, text: ModelText, logprobs: bool, usage: bool
+    runs: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool
 ) -> AsyncIterator[bytes]:
+    """Every choice's chunks as they come, each carrying its choice's index."""
+    first = runs[0]
     base = {
-        "id": f"chatcmpl-{run.id}",
+        "id": f"chatcmpl-{first.id}",
         "object": "chat.completion.chunk",
-        "created": run.created,
-        "model": run.model,
+        "created": first.created,
+        "model": first.model,
     }
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return sse({**base, "choices": [choice]})
 
-    yield chunk({"role": "assistant", "content": ""})
-    async for c in run.chunks():
+    for i in range(len(runs)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for i, c in merged([run.chunks() for run in runs]):
+        if c is None:
+            outcome = runs[i].outcome
+            assert outcome is not None
+            yield chunk(i, {}, outcome.finish_reason)
+            continue
         lp = {"content": [_token_logprob(t, text) for t in c.tokens]} if logprobs and c.tokens else None
         if c.text or lp:
-            yield chunk({"content": c.text}, lp=lp)
-    assert run.outcome is not None
-    yield chunk({}, run.outcome.finish_reason)
+            yield chunk(i, {"content": c.text}, lp=lp)
     if usage:
-        yield sse(
-            {**base, "choices": [], "usage": _usage(run.outcome), "timings": run.outcome.timings.as_dict()}
-        )
+        outcomes = [run.outcome for run in runs if run.outcome is not None]
+        yield sse({**base, "choices": [], "usage": _usage(outcomes), "timings": _timings(outcomes)})
     yield sse("[DONE]")
 
 
 async def _completion_events(
-    run: ActiveRequest, text: ModelText, logprobs: bool, usage: bool
+    runs: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool
 ) -> AsyncIterator[bytes]:
-    base = {"id": f"cmpl-{run.id}", "object": "text_completion", "created": run.created, "model": run.model}
-    async for c in run.chunks():
+    first = runs[0]
+    base = {
+        "id": f"cmpl-{first.id}",
+        "object": "text_completion",
+        "created": first.created,
+        "model": first.model,
+    }
+
+    def choice(index: int, text: str, lp: Any, finish: str | None) -> bytes:
+        part = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        return sse({**base, "choices": [part]})
+
+    async for i, c in merged([run.chunks() for run in runs]):
+        if c is None:
+            outcome = runs[i].outcome
+            assert outcome is not None
+            yield choice(i, "", None, outcome.finish_reason)
+            continue
         lp = _completion_logprobs(c.tokens, text) if logprobs and c.tokens else None
         if c.text or lp:
-            yield sse(
-                {**base, "choices": [{"index": 0, "text": c.text, "logprobs": lp, "finish_reason": None}]}
-            )
-    assert run.outcome is not None
-    yield sse(
-        {
-            **base,
-            "choices": [
-                {"index": 0, "text": "", "logprobs": None, "finish_reason": run.outcome.finish_reason}
-            ],
-        }
-    )
+            yield choice(i, c.text, lp, None)
     if usage:
-        yield sse(
-            {**base, "choices": [], "usage": _usage(run.outcome), "timings": run.outcome.timings.as_dict()}
-        )
+        outcomes = [run.outcome for run in runs if run.outcome is not None]
+        yield sse({**base, "choices": [], "usage": _usage(outcomes), "timings": _timings(outcomes)})
     yield sse("[DONE]")

@@ -491,6 +491,7 @@ class Service:
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             limit = _limit(ids, max_tokens, _context(rec, text), _prompt_param(endpoint))
+            sampling = _with_end(sampling, text.eos, ignore_eos)
             self._admit()
         except ApiError as exc:
             self.metrics.requests.labels(endpoint, _outcome(exc.status)).inc()
@@ -644,6 +645,16 @@ def _limit(ids: list[int], max_tokens: int | None, context: int, prompt_param: s
             code="context_length_exceeded",
         )
     return max_tokens
+
+
+def _with_end(sampling: SamplingParams, eos: list[int], ignore_eos: bool) -> SamplingParams:
+    """A constraint ends the output with the model's end tokens, allowed once its grammar accepts."""
+    c = sampling.constraint
+    if c is None:
+        return sampling
+    if ignore_eos or not eos:
+        raise ApiError(400, "a constrained output must be able to end: drop ignore_eos", param="ignore_eos")
+    return sampling.model_copy(update={"constraint": c.model_copy(update={"end": tuple(eos)})})
 
 
 def _outcome(status: int) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -14,6 +15,7 @@ from shardline.api.errors import ApiError, Flavor, body
 from shardline.api.service import ActiveRequest, Outcome
 
 T = TypeVar("T")
+R = TypeVar("R", ActiveRequest, "RunGroup")
 
 # How a route documents its streamed form in the OpenAPI spec: each server-sent event (event name, data
 # line), or each NDJSON line (an object).
@@ -61,6 +63,62 @@ async def whole(request: Request, run: ActiveRequest) -> Outcome:
         run.close()
 
 
+@dataclass
+class RunGroup:
+    """The runs of one request's choices (OpenAI's n), answered and closed together."""
+
+    runs: list[ActiveRequest]
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+
+
+async def whole_all(request: Request, group: RunGroup) -> list[Outcome]:
+    try:
+        return await unless_gone(request, asyncio.gather(*(run.complete() for run in group.runs)))
+    finally:
+        group.close()
+
+
+@dataclass
+class _Item(Generic[T]):
+    index: int
+    value: T | None = None  # None: that iterator ended
+    error: BaseException | None = None
+
+
+async def merged(iters: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T | None]]:
+    """(i, item) from several async iterators as their items come, and (i, None) when iterator i ends;
+    the first error ends it all. Leaving early cancels what is still running."""
+    queue: asyncio.Queue[_Item[T]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for x in it:
+                await queue.put(_Item(i, x))
+            await queue.put(_Item(i))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await queue.put(_Item(i, error=exc))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iters)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item.error is not None:
+                raise item.error
+            if item.value is None:
+                left -= 1
+            yield item.index, item.value
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def sse(data: Any, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
@@ -78,7 +136,7 @@ class RunResponse(StreamingResponse):
     has not even started, so a `finally` inside it never runs. Closing the run here, after the whole
     response (sent, failed or cancelled), frees its slot and cancels it in the pipeline in every case."""
 
-    def __init__(self, run: ActiveRequest, content: AsyncIterator[bytes], **kw: Any) -> None:
+    def __init__(self, run: ActiveRequest | RunGroup, content: AsyncIterator[bytes], **kw: Any) -> None:
         super().__init__(content, **kw)
         self.run = run
         self._content = content
@@ -94,8 +152,8 @@ class RunResponse(StreamingResponse):
 
 
 def stream_response(
-    run: ActiveRequest,
-    events: Callable[[ActiveRequest], AsyncIterator[bytes]],
+    run: R,
+    events: Callable[[R], AsyncIterator[bytes]],
     flavor: Flavor,
     media_type: str = "text/event-stream",
 ) -> StreamingResponse:

@@ -8,6 +8,7 @@ import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.compute import fastmath, quantized
+from shardline.compute.constraints import Constraint
 
 
 class SamplingParams(BaseModel):
@@ -25,6 +26,10 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int = 0
     top_logprobs: int = Field(0, ge=0, le=20)
+    # OpenAI's logit_bias: (token, bias) pairs added to the logits before anything else.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # A grammar the output must follow (compute/constraints.py): the sampler masks what it forbids.
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -33,6 +38,11 @@ class SamplingParams(BaseModel):
     @property
     def penalises_output(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_output(self) -> bool:
+        """Whether sampling reads the tokens generated so far (a row must carry them)."""
+        return self.penalises_output or self.constraint is not None
 
 
 class Sampled(BaseModel):
@@ -100,12 +110,35 @@ def _nucleus(scaled: mx.array, top_p: float) -> mx.array:
 Pick = tuple[mx.array, mx.array, mx.array, mx.array]  # token, its logprob, top indices, their logprobs
 
 
+def apply_logit_bias(logits: mx.array, bias: tuple[tuple[int, float], ...]) -> mx.array:
+    if not bias:
+        return logits
+    ids = [t for t, _ in bias if 0 <= t < logits.shape[-1]]
+    if not ids:
+        return logits
+    add = mx.zeros(logits.shape, dtype=logits.dtype)
+    add[mx.array(ids)] = mx.array([b for t, b in bias if 0 <= t < logits.shape[-1]], dtype=logits.dtype)
+    return logits + add
+
+
+def apply_mask(logits: mx.array, allowed: mx.array | None) -> mx.array:
+    """Forbidden tokens get -inf: before temperature and top-p, so those see only what the grammar allows."""
+    return logits if allowed is None else mx.where(allowed, logits, -math.inf)
+
+
 def _pick(
-    logits: mx.array, params: SamplingParams, position: int, context: list[int], output: list[int] | None
+    logits: mx.array,
+    params: SamplingParams,
+    position: int,
+    context: list[int],
+    output: list[int] | None,
+    allowed: mx.array | None = None,
 ) -> Pick:
     """The lazy graph of one token's choice: nothing is evaluated here."""
+    logits = apply_logit_bias(logits, params.logit_bias)
     logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
     logits = apply_output_penalties(logits, output or [], params.presence_penalty, params.frequency_penalty)
+    logits = apply_mask(logits, allowed)
     # On CPU the vocabulary's exp is most of a greedy step's sampling, and MLX's runs element by element.
     on_cpu = mx.default_device() == mx.cpu
     ops = quantized.native() if on_cpu else None
@@ -143,15 +176,18 @@ def sample(
     position: int,
     context: list[int],
     output: list[int] | None = None,
+    allowed: mx.array | None = None,
 ) -> Sampled:
     """logits: (vocab,) float32 of the position before `position`. Returns the token placed at `position`.
 
     `context`: the recent tokens the repetition penalty looks at; `output`: the tokens generated so far
-    (for the presence and frequency penalties)."""
-    return sample_many([(logits, params, position, context, output)])[0]
+    (for the presence and frequency penalties); `allowed`: (vocab,) bool, the tokens a constraint allows
+    (see compute/constraints.py), None when unconstrained."""
+    return sample_many([(logits, params, position, context, output, allowed)])[0]
 
 
-SampleArgs = tuple[mx.array, SamplingParams, int, list[int], list[int] | None]
+# logits, settings, position, context, output, allowed tokens
+SampleArgs = tuple[mx.array, SamplingParams, int, list[int], list[int] | None, mx.array | None]
 
 
 def sample_many(rows: list[SampleArgs]) -> list[Sampled]:

@@ -282,7 +282,8 @@ class Leader:
             return m.Row(request_id=step.request_id, pos=step.pos, sample=False)
         context = req.known[-sp.repetition_context :] if sp.repetition_penalty != 1.0 else []
         # Generated tokens start where the original prompt ended (a fast resume folded some into `prompt`).
-        output = req.known[req.prompt_len - req.spec.index_base :] if sp.penalises_output else []
+        # A constraint's state is a function of them: the sampling stage rebuilds its matcher from them.
+        output = req.known[req.prompt_len - req.spec.index_base :] if sp.needs_output else []
         return m.Row(
             request_id=step.request_id,
             pos=step.pos,

@@ -107,7 +107,7 @@ class RunnerProcess:
         # Attention scratch per head: one chunk attending to TILE_KEYS keys, at any context length.
         budget = spec.score_budget or attention.score_budget(spec.prefill_step)
         shard = load_shard(Path(spec.model_dir), layers, budget)
-        self.worker = StageWorker(shard)
+        self.worker = StageWorker(shard, Path(spec.model_dir))
         self.weight_bytes = shard.weight_bytes()
         self.speed.attn_keys = 6 * shard.hidden_size
         self.faults.maybe_fire("warmup", 0)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 
+from shardline.compute.constraints import Constraint, Matchers
 from shardline.compute.kv import KV_STEP, round_up
-from shardline.compute.sampling import sample, sample_many
+from shardline.compute.sampling import SamplingParams, sample, sample_many
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.messages import RowResult, Step, StepResult, StepTime
@@ -20,12 +22,44 @@ class ProtocolError(RuntimeError):
     """A message that does not fit this stage's state: never obeyed."""
 
 
-def finish(step: Step, y: mx.array) -> tuple[StepResult, mx.array | None]:
+Constrained = tuple[str, Constraint, list[int]]  # request, constraint, output so far
+
+
+def constrained_rows(step: Step) -> list[Constrained]:
+    """The step's requests that sample under a constraint: what their masks are computed from."""
+    if not step.sample:
+        return []
+    if not step.rows:
+        sp = step.sampling
+        return [(step.request_id, sp.constraint, step.output)] if sp and sp.constraint else []
+    return [
+        (r.request_id, r.sampling.constraint, r.output)
+        for r in step.rows
+        if r.sample and r.sampling is not None and r.sampling.constraint is not None
+    ]
+
+
+def _masks(
+    matchers: Matchers | None, rows: list[tuple[str, SamplingParams, list[int]]], vocab: int
+) -> list[mx.array | None]:
+    """Each row's allowed tokens (None when unconstrained: such a row costs nothing here)."""
+    want = [(rid, sp.constraint, out) for rid, sp, out in rows if sp.constraint is not None]
+    if not want:
+        return [None] * len(rows)
+    if matchers is None:
+        raise ProtocolError("a constrained row reached a stage that cannot compute masks")
+    got = iter(matchers.masks(want, vocab))
+    return [mx.array(next(got)) if sp.constraint is not None else None for _, sp, _ in rows]
+
+
+def finish(step: Step, y: mx.array, matchers: Matchers | None = None) -> tuple[StepResult, mx.array | None]:
     """A sampling step's result from its logits: (vocab,) for one request, (rows, vocab) for a batch, each
-    row sampled with its own settings in one evaluation."""
+    row sampled with its own settings (and its constraint's mask) in one evaluation."""
+    vocab = int(y.shape[-1])
     if not step.rows:
         assert step.sampling is not None
-        s = sample(y, step.sampling, step.pos + step.n, step.context, step.output)
+        (allowed,) = _masks(matchers, [(step.request_id, step.sampling, step.output)], vocab)
+        s = sample(y, step.sampling, step.pos + step.n, step.context, step.output, allowed)
         logits = y if step.want_logits else None
         return (
             StepResult(
@@ -39,11 +73,13 @@ def finish(step: Step, y: mx.array) -> tuple[StepResult, mx.array | None]:
             logits,
         )
     wanted = [i for i, r in enumerate(step.rows) if r.sample]
+    rows = [step.rows[i] for i in wanted]
+    assert all(r.sampling is not None for r in rows)
+    masks = _masks(matchers, [(r.request_id, r.sampling, r.output) for r in rows], vocab)  # type: ignore[misc]
     args = []
-    for i in wanted:
-        r = step.rows[i]
+    for i, r, allowed in zip(wanted, rows, masks, strict=True):
         assert r.sampling is not None
-        args.append((y[i], r.sampling, r.pos + 1, r.context, r.output))
+        args.append((y[i], r.sampling, r.pos + 1, r.context, r.output, allowed))
     sampled = dict(zip(wanted, sample_many(args), strict=True))  # one sync for every row
     results = []
     for i, r in enumerate(step.rows):
@@ -56,15 +92,22 @@ def finish(step: Step, y: mx.array) -> tuple[StepResult, mx.array | None]:
 
 
 class StageWorker:
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, model_dir: Path | None = None) -> None:
         self.shard = shard
         self.caches: dict[str, list] = {}
+        # Constraint matchers, on the stage that samples (the last, or the first with a split head).
+        samples = shard.range.is_last != bool(shard.head_split)
+        tokenizer = model_dir / "tokenizer.json" if model_dir is not None else None
+        self.matchers = Matchers(tokenizer) if samples else None
+        self.vocab = int(shard.config.get("vocab_size") or 0)
         self.steps = 0
         self.kv_peak_bytes = 0
         self.kv_bytes_per_token = 0
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
+        if self.matchers is not None:
+            self.matchers.release(request_id)
         if request_id == WARMUP_ID:
             self.reset_peaks()  # peaks from here on are what real requests cost
 
@@ -108,6 +151,7 @@ class StageWorker:
         if step.rows:
             return self._run_rows(step, x)
         self.check(step, x)
+        self._prepare(step)
         cache = self.caches.get(step.request_id)
         if cache is None:
             cache = self.caches[step.request_id] = self.shard.make_cache()
@@ -125,9 +169,16 @@ class StageWorker:
 
     def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
         self._check_rows(step, x)
+        self._prepare(step)
         y = self.shard.forward_rows(x, [self.caches[r.request_id] for r in step.rows])
         mx.eval(y)
         return self._done(step, y)
+
+    def _prepare(self, step: Step) -> None:
+        """Start the step's masks now: they are computed while this stage runs its layers (and, with a
+        split head, while the other stages run theirs)."""
+        if self.matchers is not None and (rows := constrained_rows(step)):
+            self.matchers.prepare(rows, self.vocab)
 
     def _done(self, step: Step, y: mx.array) -> tuple[Step | StepResult, mx.array | None]:
         self.steps += 1
@@ -138,12 +189,12 @@ class StageWorker:
             return StepResult(seq=step.seq, request_id=step.request_id), None
         if self.shard.head_split:  # the leader completes the logits and samples
             return StepResult(seq=step.seq, request_id=step.request_id, head=True, tensor=tensor_meta(y)), y
-        return finish(step, y)
+        return finish(step, y, self.matchers)
 
     def finish_head(self, step: Step, packed: mx.array) -> tuple[StepResult, mx.array | None]:
         """On the first stage, for a result with `head`: the full logits from the last stage's part, then
         the step's samples."""
-        return finish(step, self.shard.finish_head(packed))  # one evaluation: the sampler's
+        return finish(step, self.shard.finish_head(packed), self.matchers)  # one evaluation: the sampler's
 
     def kv_bytes(self) -> int:
         return sum(c.nbytes for cache in list(self.caches.values()) for c in cache)

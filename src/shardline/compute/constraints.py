@@ -1,0 +1,168 @@
+"""Constrained decoding: which tokens a request may sample next, from a grammar and its output so far.
+
+A `Constraint` is a small serialisable spec that travels with the request's sampling settings (never a
+Python object): a JSON schema, a Lark grammar or a regex, and the tokens that end the output. The grammar
+engine is llguidance, over the tokenizer the model ships (tokenizer.json).
+
+The stage that samples keeps one matcher per request (`Matchers`), a cache only: the allowed tokens are a
+pure function of (constraint, output tokens so far), and a matcher missing or out of step with the row's
+output is rebuilt from it. So a resumed, resubmitted or cancelled request needs nothing from this cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+log = logging.getLogger("shardline.constraints")
+
+# Compact JSON, one fixed separator each: a small model given free whitespace can fill max_tokens with it.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class Constraint(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["json_schema", "lark", "regex"]
+    source: str  # the schema as JSON text, the Lark grammar, or the regex
+    end: tuple[int, ...]  # tokens that end the output: allowed only once the grammar accepts
+
+
+def json_schema(schema: dict[str, Any] | bool, end: Iterable[int]) -> Constraint:
+    # The key order is kept: properties come out in the order the schema lists them.
+    return Constraint(kind="json_schema", source=json.dumps(schema), end=tuple(end))
+
+
+def any_json_object(end: Iterable[int]) -> Constraint:
+    return json_schema({"type": "object"}, end)
+
+
+def grammar_of(c: Constraint) -> str:
+    """The llguidance grammar of a constraint (pure; compiled against a tokenizer by the matcher)."""
+    from llguidance import LLMatcher
+
+    if c.kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(c.source, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    if c.kind == "lark":
+        return LLMatcher.grammar_from_lark(c.source)
+    return LLMatcher.grammar_from_regex(c.source)
+
+
+def problem(c: Constraint) -> str | None:
+    """Why the constraint cannot be compiled (an invalid schema, an unsupported keyword), or None."""
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(grammar_of(c))
+    except ValueError as exc:
+        return str(exc)
+    return error or None
+
+
+# ---- the mask ------------------------------------------------------------------------------------------
+
+
+def allowed(matcher: Any, end: tuple[int, ...], vocab: int, engine_eos: list[int]) -> np.ndarray:
+    """(vocab,) bool: the tokens the matcher allows next. The end tokens are ours, not the engine's EOS:
+    allowed when the grammar accepts, and alone once it is complete (or broken: the request then ends)."""
+    only_end = np.zeros(vocab, dtype=bool)
+    only_end[[t for t in end if t < vocab]] = True
+    if matcher.is_stopped():
+        if matcher.is_error():
+            log.warning("constraint matcher in error, ending the output: %s", matcher.get_error())
+        return only_end
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    mask = np.zeros(vocab, dtype=bool)
+    n = min(vocab, bits.shape[0])
+    mask[:n] = bits[:n].astype(bool)
+    mask[[t for t in engine_eos if t < vocab]] = False
+    if matcher.is_accepting():
+        mask |= only_end
+    return mask if mask.any() else only_end
+
+
+@dataclass
+class _Entry:
+    constraint: Constraint
+    matcher: Any
+    tokens: list[int]  # the output the matcher has consumed
+
+
+class Matchers:
+    """One stage's matchers, per request, and the tokenizer they share (loaded at first use).
+
+    Every matcher call runs on one worker thread (a matcher is not thread-safe): `prepare` starts a step's
+    masks there as the step arrives, so they are computed while the stage runs its layers, and `masks`
+    collects them (or computes those not prepared)."""
+
+    def __init__(self, tokenizer_json: Path | None) -> None:
+        self.tokenizer_json = tokenizer_json
+        self._tokenizer: Any = None
+        self._vocab = 0
+        self._entries: dict[str, _Entry] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._prepared: dict[tuple[str, int], Future[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def tokenizer(self, vocab: int) -> Any:
+        if self._tokenizer is None or self._vocab != vocab:
+            from llguidance import LLTokenizer
+
+            if self.tokenizer_json is None or not self.tokenizer_json.is_file():
+                raise FileNotFoundError("constrained decoding needs the model's tokenizer.json")
+            self._tokenizer = LLTokenizer(str(self.tokenizer_json), n_vocab=vocab)
+            self._vocab = vocab
+            self._entries.clear()
+        return self._tokenizer
+
+    def mask(self, request_id: str, c: Constraint, output: list[int], vocab: int) -> np.ndarray:
+        """The allowed tokens after `output`: the cached matcher advanced, or rebuilt when out of step."""
+        from llguidance import LLMatcher
+
+        tok = self.tokenizer(vocab)
+        e = self._entries.get(request_id)
+        n = len(e.tokens) if e is not None else 0
+        if e is None or e.constraint != c or n > len(output) or output[:n] != e.tokens:
+            matcher = LLMatcher(tok, grammar_of(c), log_level=0)
+            e = self._entries[request_id] = _Entry(c, matcher, [])
+        if len(output) > len(e.tokens):
+            e.matcher.consume_tokens(output[len(e.tokens) :])  # a refused token leaves it in error
+            e.tokens = list(output)
+        return allowed(e.matcher, c.end, vocab, list(tok.eos_tokens))
+
+    def release(self, request_id: str) -> None:
+        for key in [k for k in self._prepared if k[0] == request_id]:
+            self._prepared.pop(key).cancel()
+        if request_id in self._entries:
+            self._run(lambda: self._entries.pop(request_id, None))
+
+    def _run(self, fn: Any) -> Future[Any]:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="constraints")
+            return self._pool.submit(fn)
+
+    def prepare(self, rows: list[tuple[str, Constraint, list[int]]], vocab: int) -> None:
+        """Start these rows' masks on the worker thread; `masks` takes them."""
+        for rid, c, output in rows:
+            key = (rid, len(output))
+            if key not in self._prepared:
+                self._prepared[key] = self._run(lambda r=rid, c=c, o=output: self.mask(r, c, o, vocab))
+
+    def masks(self, rows: list[tuple[str, Constraint, list[int]]], vocab: int) -> list[np.ndarray]:
+        self.prepare(rows, vocab)
+        futures = [self._prepared.pop((rid, len(output))) for rid, _, output in rows]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,242 @@
+"""Constrained decoding's pure parts on the default model's tokenizer: the allowed-token mask, the matcher
+cache rebuilt from the output, masked sampling in a batched step, and the API's parsing of formats."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from shardline.api.errors import ApiError
+from shardline.api.formats import checked, constraint_of, logit_bias_of
+from shardline.compute.constraints import Constraint, Matchers, json_schema, problem
+from shardline.compute.sampling import SamplingParams, sample
+from shardline.dataplane.messages import BATCH_ID, Row, Step
+from shardline.runner.worker import finish
+
+END = (2,)  # the default model's <|im_end|>
+
+SCHEMAS: list[dict] = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+        },
+        "required": ["tags", "score"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"id": {"type": "integer"}, "admin": {"type": "boolean"}},
+                "required": ["id", "admin"],
+                "additionalProperties": False,
+            },
+            "note": {"type": "string", "maxLength": 6},
+        },
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "value": {"anyOf": [{"type": "integer", "minimum": 10, "maximum": 99}, {"type": "null"}]},
+            "kind": {"enum": ["a", "b"]},
+        },
+        "required": ["value", "kind"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(model_dir: Path) -> Path:
+    return model_dir / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def hf(tokenizer_json: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_json))
+
+
+def _vocab(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def _allowed(mask: np.ndarray) -> list[int]:
+    return [int(t) for t in np.nonzero(mask)[0]]
+
+
+@pytest.mark.timeout(120)
+def test_mask_opens_an_object_and_ends_only_once_the_grammar_accepts(model_dir, tokenizer_json, hf):
+    vocab = _vocab(model_dir)
+    m = Matchers(tokenizer_json)
+    c = json_schema(SCHEMAS[0], END)
+    first = _allowed(m.mask("r", c, [], vocab))
+    assert first and all(hf.decode([t]).startswith("{") for t in first)
+    assert END[0] not in first
+
+    half = hf.encode('{"name": "Bo', add_special_tokens=False).ids
+    middle = m.mask("r", c, half, vocab)
+    assert not middle[END[0]] and middle.sum() > 1  # inside a string: many tokens, never the end
+
+    whole = hf.encode('{"name": "Bob", "age": 42}', add_special_tokens=False).ids
+    assert _allowed(m.mask("r", c, whole, vocab)) == [END[0]]  # complete: the end, alone
+
+    # A regex that accepts and may go on: the end is allowed beside more of it.
+    more = Constraint(kind="regex", source="a(b)*", end=END)
+    ab = hf.encode("ab", add_special_tokens=False).ids
+    after = _allowed(m.mask("x", more, ab, vocab))
+    assert END[0] in after and len(after) > 1
+    assert all(set(hf.decode([t])) <= {"b"} for t in after if t != END[0])
+
+
+@pytest.mark.timeout(120)
+def test_matcher_state_is_a_function_of_the_output(model_dir, tokenizer_json, hf):
+    """A matcher advanced token by token, one rebuilt from the whole output, and one out of step (another
+    output for the same request) all give the mask a fresh matcher gives."""
+    vocab = _vocab(model_dir)
+    c = json_schema(SCHEMAS[2], END)
+    ids = hf.encode('{"user": {"id": 7, "admin": true}, "note": "hi', add_special_tokens=False).ids
+    stepped = Matchers(tokenizer_json)
+    for n in range(len(ids) + 1):
+        got = stepped.mask("r", c, ids[:n], vocab)
+    fresh = Matchers(tokenizer_json).mask("r", c, ids, vocab)
+    assert np.array_equal(got, fresh)
+    other = hf.encode('{"user": {"id": 123', add_special_tokens=False).ids
+    diverged = stepped.mask("r", c, other, vocab)  # a resubmitted request with another history
+    assert np.array_equal(diverged, Matchers(tokenizer_json).mask("q", c, other, vocab))
+    assert not np.array_equal(diverged, fresh)
+    shorter = stepped.mask("r", c, ids[:3], vocab)  # behind the cache: rebuilt, not advanced
+    assert np.array_equal(shorter, Matchers(tokenizer_json).mask("q", c, ids[:3], vocab))
+    stepped.release("r")
+    stepped.close()
+
+
+def _batched(rows: list[tuple[str, SamplingParams, list[int]]], step: int) -> Step:
+    return Step(
+        seq=step,
+        request_id=BATCH_ID,
+        pos=0,
+        n=len(rows),
+        sample=True,
+        rows=[Row(request_id=rid, pos=10 + step, sampling=sp, output=out) for rid, sp, out in rows],
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_masked_rows_of_a_batch_write_valid_json_and_the_free_row_is_unchanged(
+    model_dir, tokenizer_json, hf, temperature
+):
+    """Random logits, every schema's row in one batched step with an unconstrained row: each constrained
+    row ends with output its schema validates, the free row samples what it samples alone."""
+    vocab = _vocab(model_dir)
+    m = Matchers(tokenizer_json)
+    settings = [
+        SamplingParams(temperature=temperature, top_p=0.9, seed=i, constraint=json_schema(s, END))
+        for i, s in enumerate(SCHEMAS)
+    ]
+    free = SamplingParams(temperature=temperature, seed=99)
+    outputs: list[list[int]] = [[] for _ in SCHEMAS]
+    ended = [False] * len(SCHEMAS)
+    for step in range(120):
+        live = [i for i in range(len(SCHEMAS)) if not ended[i]]
+        if not live:
+            break
+        rows = [(f"r{i}", settings[i], outputs[i]) for i in live] + [("free", free, [])]
+        y = mx.random.normal((len(rows), vocab), key=mx.random.key(step)) * 4
+        result, _ = finish(_batched(rows, step), y, m)
+        for i, r in zip(live, result.rows, strict=False):
+            assert r.logprob is not None and math.isfinite(r.logprob)
+            if r.token in END:
+                ended[i] = True
+            else:
+                outputs[i].append(r.token)
+        alone = sample(y[-1], free, 10 + step + 1, [], []).token
+        assert result.rows[-1].token == alone
+    assert all(ended), [hf.decode(o) for o in outputs]
+    for schema, out in zip(SCHEMAS, outputs, strict=True):
+        jsonschema.validate(json.loads(hf.decode(out)), schema)
+    m.close()
+
+
+@pytest.mark.timeout(60)
+def test_greedy_under_a_mask_is_the_best_allowed_token(model_dir, tokenizer_json):
+    vocab = _vocab(model_dir)
+    m = Matchers(tokenizer_json)
+    c = json_schema({"type": "object"}, END)
+    allowed = m.mask("r", c, [], vocab)
+    logits = mx.random.normal((vocab,), key=mx.random.key(3))
+    s = sample(logits, SamplingParams(temperature=0.0, top_logprobs=2), 5, [], [], mx.array(allowed))
+    masked = np.where(allowed, np.array(logits), -np.inf)
+    assert s.token == int(np.argmax(masked))
+    expected = -np.log(np.exp(masked - masked.max()).sum())  # the best one's log-probability
+    assert s.logprob == pytest.approx(float(expected), abs=1e-4)
+    native = sample(logits, SamplingParams(temperature=0.0), 5, [], [], mx.array(allowed))
+    assert native.token == s.token and native.logprob == pytest.approx(s.logprob, abs=1e-4)
+    m.close()
+
+
+@pytest.mark.timeout(30)
+def test_logit_bias_moves_the_pick():
+    logits = mx.array([0.0, 3.0, 1.0, -2.0])
+    assert sample(logits, SamplingParams(), 0, []).token == 1
+    assert sample(logits, SamplingParams(logit_bias=((3, 100.0),)), 0, []).token == 3
+    assert sample(logits, SamplingParams(logit_bias=((1, -100.0),)), 0, []).token == 2
+    assert sample(logits, SamplingParams(logit_bias=((9, 100.0),)), 0, []).token == 1  # outside: ignored
+
+
+@pytest.mark.timeout(60)
+def test_response_format_parsing_and_its_errors_name_the_parameter():
+    assert constraint_of(None) is None and constraint_of({"type": "text"}) is None
+    assert json.loads(constraint_of({"type": "json_object"}).source) == {"type": "object"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS[0], "strict": True}}
+    c = checked(constraint_of(fmt))
+    assert c is not None and json.loads(c.source) == SCHEMAS[0]
+    assert list(json.loads(c.source)["properties"]) == ["name", "age"]  # the schema's order, kept
+    bad = [
+        {"type": "xml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": []}},
+        {"type": "json_schema", "json_schema": {"name": "p", "strict": "yes", "schema": {}}},
+    ]
+    for fmt in bad:
+        with pytest.raises(ApiError) as err:
+            constraint_of(fmt)
+        assert err.value.status == 400 and err.value.param == "response_format"
+    invalid = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}
+    assert problem(constraint_of(invalid)) is not None
+    with pytest.raises(ApiError) as err:
+        checked(constraint_of(invalid))
+    assert err.value.param == "response_format" and "strin" in err.value.message
+    assert logit_bias_of({"5": 1, "2": -100}) == ((2, -100.0), (5, 1.0))
+    for bias in ({"x": 1}, {"-1": 1}, {"3": 101}):
+        with pytest.raises(ApiError) as err:
+            logit_bias_of(bias)
+        assert err.value.param == "logit_bias"

@@ -106,9 +106,14 @@ def test_footprint_of_default_model_and_its_placements() -> None:
     assert fp.kv_bytes_per_token_per_layer == 2 * kv_heads * head_dim * 4
     assert fp.weight_format == "q4_1→affine4/g32, q8_0→affine8/g32"
     two = place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(2)])
-    assert two.stages[0].end > 15  # the last stage also runs the (tied) head
-    first, last = split_for_stages(fp, 2)  # the engine's split of one machine's cores: the same reason
-    assert first == (0, two.stages[0].end) and last[1] - last[0] < 15
+    # The tied head splits between the first and the last stage, so equal nodes take equal layers; with
+    # three, the middle stage takes more. The engine splits one machine's cores the same way.
+    assert [(a.start, a.end) for a in two.stages] == split_for_stages(fp, 2) == [(0, 15), (15, 30)]
+    three = place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(3)])
+    sizes3 = [a.end - a.start for a in three.stages]
+    assert sizes3[1] > max(sizes3[0], sizes3[2]) and [
+        (a.start, a.end) for a in three.stages
+    ] == split_for_stages(fp, 3)
     for placement in (two, place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(3)])):
         first, last = placement.stages[0], placement.stages[-1]
         assert first.weight_bytes >= fp.embed_bytes and last.weight_bytes >= fp.embed_bytes  # tied: both
@@ -156,6 +161,13 @@ def brute_force(
     n, order = fp.layers, sorted(nodes, key=lambda x: x.node_id)
     head = fp.head_bytes + (fp.embed_bytes if fp.tied else 0)
     per = fp.layer_overhead_bytes
+
+    def head_work(s: int, e: int) -> float:  # a tied head splits between the first and the last stage
+        if (s, e) == (0, n):
+            return head
+        shared = fp.embed_bytes / 2 if fp.tied and (s == 0 or e == n) else 0
+        return shared + (fp.head_bytes if e == n else 0)
+
     hop = (
         req.hop_cost_fraction
         * (sum(fp.layer_bytes) + per * n + head)
@@ -169,8 +181,7 @@ def brute_force(
                 stages = list(zip(chosen, itertools.pairwise(bounds), strict=True))
                 if all(need(fp, req, s, e) <= x.available_bytes for x, (s, e) in stages):
                     times = [
-                        (sum(fp.layer_bytes[s:e]) + per * (e - s) + (head if e == n else 0))
-                        / (x.compute_score * 1e9)
+                        (sum(fp.layer_bytes[s:e]) + per * (e - s) + head_work(s, e)) / (x.compute_score * 1e9)
                         + (hop if k > 1 else 0.0)
                         for x, (s, e) in stages
                     ]
@@ -364,10 +375,16 @@ def test_split_for_stages_is_the_least_slowest_stage_of_exactly_that_many(
         return
     n, head = fp.layers, fp.head_bytes + (fp.embed_bytes if fp.tied else 0)
 
-    def slowest(ranges: list[tuple[int, int]]) -> int:
+    def head_work(s: int, e: int) -> float:
+        if (s, e) == (0, n):
+            return head
+        return (fp.embed_bytes / 2 if fp.tied and (s == 0 or e == n) else 0) + (
+            fp.head_bytes if e == n else 0
+        )
+
+    def slowest(ranges: list[tuple[int, int]]) -> float:
         return max(
-            sum(fp.layer_bytes[s:e]) + fp.layer_overhead_bytes * (e - s) + (head if e == n else 0)
-            for s, e in ranges
+            sum(fp.layer_bytes[s:e]) + fp.layer_overhead_bytes * (e - s) + head_work(s, e) for s, e in ranges
         )
 
     got = split_for_stages(fp, stages)

@@ -39,7 +39,7 @@ def test_stages_of_a_quantized_model_compute_what_the_whole_model_does(
     whole = load_shard(path)
     # Quantized layers stay quantized (the embedding too, its as_linear is the tied head): never a float copy.
     assert "scales" in whole.embed and "scales" in whole.layers[0].mlp.up_proj
-    assert whole.head_split == 0  # a quantized head is not split between the first and the last stage
+    assert whole.head_split == 0  # one stage: nothing to split
     want = whole.forward(mx.array([prompt]), whole.make_cache())
     ref = Reference(path).last_logits(prompt)
     # bfloat16 activations keep 8 bits of mantissa, rounded after different ops by the native kernel and
@@ -48,14 +48,19 @@ def test_stages_of_a_quantized_model_compute_what_the_whole_model_does(
     assert float(mx.abs(want.astype(mx.float32) - ref).max() / mx.abs(ref).max()) < tolerance
     assert whole.weight_bytes() == _stage_bytes(path, whole.range)
     total = int(config["num_hidden_layers"])
+    tied = bool(config.get("tie_word_embeddings", True))
     for stages in (2, 3):
         h = mx.array([prompt])
-        for layers in split_layers(total, stages):
-            shard = load_shard(path, layers)
+        shards = [load_shard(path, layers) for layers in split_layers(total, stages)]
+        for shard in shards:
             # In memory, a stage holds exactly the stored bytes placement counted for it.
-            assert shard.weight_bytes() == _stage_bytes(path, layers), f"{stages} stages, {layers}"
-            assert shard.head_split == 0  # the last stage computes the whole (quantized) head
+            assert shard.weight_bytes() == _stage_bytes(path, shard.range), f"{stages} stages, {shard.range}"
+            # A tied (quantized) head splits between the first and the last stage, as a float one does.
+            ends = shard.range.is_first or shard.range.is_last
+            assert shard.head_split == (int(config["vocab_size"]) // 2 if tied and ends else 0)
             h = shard.forward(h, shard.make_cache())
+        if shards[0].head_split:
+            h = shards[0].finish_head(h)
         assert mx.array_equal(h, want).item(), f"{stages} stages"
 
 

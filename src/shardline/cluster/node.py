@@ -109,7 +109,7 @@ class Node:
         self.log_dir = data_dir / "logs"
         self.endpoint = config.credentials.endpoint(concrete_endpoint(config.listen))
         self.host = self.endpoint.split("/", 1)[1].rpartition(":")[0]
-        self.link = Link(config.lease_ms, config.multicast_interface, config.credentials, shared_memory=False)
+        self.link = Link(config.lease_ms, config.multicast_interface, config.credentials)
         self.started_at = time.time()
         self.started_mono = time.monotonic()
         self.score = config.compute_score or compute_score()

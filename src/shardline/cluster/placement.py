@@ -5,8 +5,9 @@
 
 Cost model (relative, for comparing placements, not a latency prediction):
 - a stage's time per decode step is the weight bytes it multiplies by (its layers, plus the head on the last
-  stage: lm_head, or the embedding when tied), plus a fixed work-equivalent per layer for its other ops
-  (norms, rope, attention, dispatch), / (compute_score * 1e9), i.e. one FLOP per weight byte;
+  stage: lm_head; a tied head, the embedding, is split half and half between the first and the last stage,
+  as runners do), plus a fixed work-equivalent per layer for its other ops (norms, rope, attention,
+  dispatch), / (compute_score * 1e9), i.e. one FLOP per weight byte;
 - a split pipeline adds `hop_cost` to every stage (sending hidden states on), where hop_cost is
   `hop_cost_fraction` of the whole model's time on the fastest node, so extra stages are never free;
 - a placement's step time is its slowest stage's: with one micro-batch per stage in flight, that stage bounds
@@ -230,7 +231,11 @@ class _Costs:
         m = self.model
         work = self.prefix[e] - self.prefix[s] + m.layer_overhead_bytes * (e - s)
         if e == m.layers:
-            work += m.head_bytes + (m.embed_bytes if m.tied else 0)
+            work += m.head_bytes
+        if m.tied and (s, e) == (0, m.layers):
+            work += m.embed_bytes
+        elif m.tied and (s == 0 or e == m.layers):
+            work += m.embed_bytes / 2  # a tied head splits between the first and the last stage
         return work / (node.compute_score * 1e9)
 
 
@@ -354,7 +359,7 @@ def place(
 
 def split_for_stages(model: ModelFootprint, stages: int) -> list[tuple[int, int]]:
     """Exactly `stages` contiguous layer ranges for equal, unbounded stages (one machine's cores), the slowest
-    stage as fast as it can be: the head's stage gets fewer layers. Ties go to the earliest cuts."""
+    stage as fast as it can be: the stages holding the head get fewer layers. Ties go to the earliest cuts."""
     n = model.layers
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} layers into {stages} stages")

@@ -88,13 +88,40 @@ class Shard:
 
         The head is the largest single matmul of a small model's decode step, and with tied embeddings the
         first stage holds its weights already. Sharing it keeps the last stage from being the slowest one,
-        which is what paces interleaved micro-batches: the last stage computes the upper half of the logits
-        and the first stage (the leader) the lower half, then samples (`finish_head`)."""
+        which is what paces interleaved micro-batches, while the layers stay evenly split, which is what
+        prefill wants (its head is one row): the last stage computes the upper half of the logits and the
+        first stage (the leader) the lower half, then samples (`finish_head`). Float and affine-quantized
+        embeddings split; each logit is computed as the whole head computes it (`_head_rows`)."""
         if self.range.is_first == self.range.is_last or not self.tied:
             return 0
-        if type(self.embed) is not nn.Embedding:  # quantized heads keep the plain path
+        embed = self.embed
+        quantized_embed = isinstance(embed, nn.QuantizedEmbedding | quantized.CpuQuantizedEmbedding)
+        if type(embed) is not nn.Embedding and not (quantized_embed and embed.get("biases") is not None):
             return 0
-        return int(self.embed.weight.shape[0]) // 2
+        return int(embed.weight.shape[0]) // 2
+
+    def _head_input_dtype(self) -> mx.Dtype:
+        """The dtype of the last stage's normalised hidden states, known on the first stage too: a float
+        embedding's, else the activations' (the widest float of the quantized embedding's output and the
+        layers' norms, as MLX promotes them). The packed float32 copy converts back exactly."""
+        e = self.embed
+        if type(e) is nn.Embedding:
+            return e.weight.dtype
+        from mlx.utils import tree_flatten
+
+        norms = [v.dtype for k, v in tree_flatten(self.layers[0].parameters()) if "norm" in k]
+        found = {e["scales"].dtype, *norms}
+        floats = [d for d in found if d in (mx.float32, mx.float16, mx.bfloat16)]
+        return floats[0] if len(floats) == 1 else mx.float32  # float16 with bfloat16 promotes to float32
+
+    def _head_rows(self, h: mx.array, start: int, end: int) -> mx.array:
+        """Logits [start, end) of a tied head: h (rows, D) times those rows of the embedding."""
+        e = self.embed
+        if type(e) is nn.Embedding:
+            return h.astype(e.weight.dtype) @ e.weight[start:end].T
+        return quantized.quantized_matmul(
+            h, e["weight"][start:end], e["scales"][start:end], e["biases"][start:end], e.group_size, e.bits
+        )
 
     @property
     def tied(self) -> bool:
@@ -144,14 +171,13 @@ class Shard:
         if not self.head_split:
             logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
             return logits.astype(mx.float32)
-        upper = h @ self.embed.weight[self.head_split :].T
+        upper = self._head_rows(h, self.head_split, int(self.embed.weight.shape[0]))
         return mx.concatenate([h.astype(mx.float32), upper.astype(mx.float32)], axis=-1)
 
     def finish_head(self, packed: mx.array) -> mx.array:
         """On the first stage: the last stage's `head` output -> full logits (..., vocab)."""
-        weight = self.embed.weight
-        h = packed[..., : self.hidden_size].astype(weight.dtype)  # back to the dtype the last stage had
-        lower = h @ weight[: self.head_split].T
+        h = packed[..., : self.hidden_size].astype(self._head_input_dtype())  # as the last stage had it
+        lower = self._head_rows(h, 0, self.head_split)
         return mx.concatenate([lower.astype(mx.float32), packed[..., self.hidden_size :]], axis=-1)
 
     def weight_bytes(self) -> int:

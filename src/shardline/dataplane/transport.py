@@ -43,10 +43,6 @@ class Link:
     credentials: Credentials = field(
         default_factory=Credentials
     )  # a peer without the same key or CA cannot connect
-    # zenoh copies messages above 3 KB to a peer on the same host through a 16 MiB shared-memory pool that
-    # it maps at the first such message and keeps. Runners' hidden states gain from it; a node daemon's
-    # traffic is control messages and, rarely, a weight copy, which then left a daemon 16 MiB larger.
-    shared_memory: bool = True
 
 
 def session_config(listen: list[str], connect: list[str], link: Link | None = None) -> zenoh.Config:
@@ -62,8 +58,11 @@ def session_config(listen: list[str], connect: list[str], link: Link | None = No
         config.insert_json5("scouting/multicast/interface", json.dumps(link.multicast_interface))
     config.insert_json5("listen/endpoints", json.dumps(listen))
     config.insert_json5("connect/endpoints", json.dumps(connect))
-    if not link.shared_memory:
-        config.insert_json5("transport/shared_memory/enabled", "false")
+    # zenoh would copy messages above 3 KB to a peer on the same host through a 16 MiB shared-memory pool,
+    # mapped at the first such message and kept: a weight copy left a node daemon 16 MiB larger, and each
+    # runner held 26 MB more at its peak for no measured speed (a prefill chunk's hidden states go in
+    # well under a millisecond over loopback TCP; `bench engine`'s streams were as fast without it).
+    config.insert_json5("transport/shared_memory/enabled", "false")
     config.insert_json5("transport/link/tx/lease", str(link.lease_ms))
     config.insert_json5("transport/link/tx/keep_alive", "4")
     return config

@@ -30,6 +30,7 @@ def test_bench_engine_quick_writes_every_figure(tmp_path, model_dir):
     assert result["raw"]["s2_serial_prefill_tps"] > 0
     assert set(result["decode_token_profile_ms"]) == {"single_process", "s1", "s2"}
     assert result["decode_tps_s1"] > 0 and result["raw"]["s1_prefill_tps"] > 0
+    assert 0 < result["mask_ms_p50"] <= result["mask_ms_p99"]
     # No GGUF behind a tiny model: llama.cpp's side is skipped, and says why.
     assert result["weights_bytes_ratio_vs_gguf"] is None and "GGUF" in result["llama_cpp"]["skipped"]
     assert not any(k.endswith(("llama_cpp_1t", "llama_cpp_2t")) for k in result)

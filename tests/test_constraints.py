@@ -240,3 +240,32 @@ def test_response_format_parsing_and_its_errors_name_the_parameter():
         with pytest.raises(ApiError) as err:
             logit_bias_of(bias)
         assert err.value.param == "logit_bias"
+
+
+@pytest.mark.timeout(180)
+def test_a_constraint_that_fails_in_the_runner_ends_its_own_request_not_the_stage(
+    tmp_path: Path, model_dir: Path, start_engine
+) -> None:
+    """The API refuses a grammar that does not compile; a request that reaches a runner anyway (the engine's
+    own submit checks nothing of it) must not take the stage, and every request on it, down with it."""
+    import shutil
+
+    from shardline.testing.tiny import make_tiny_model
+
+    # A head smaller than the tokenizer (49,152 tokens): masks are cut to the model's vocabulary.
+    model = make_tiny_model(tmp_path / "model", "qwen2", vocab=2048)
+    for f in model_dir.glob("tokenizer*.json"):
+        shutil.copy(f, model / f.name)
+    engine = start_engine(model, 2)
+    broken = SamplingParams(constraint=Constraint(kind="regex", source="(", end=(1,)))
+    assert (
+        len(engine.submit([5, 6, 7], max_tokens=8, sampling=broken, stop_tokens=[1]).tokens(timeout=60)) <= 1
+    )
+    digits = SamplingParams(constraint=Constraint(kind="regex", source="[0-9]{3}", end=(1,)))
+    out = engine.submit([5, 6, 7], max_tokens=8, sampling=digits, stop_tokens=[1]).tokens(timeout=60)
+    assert len(engine.submit([5, 6, 7], max_tokens=8).tokens(timeout=60)) == 8
+    assert engine.recoveries == []
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    text = load_tokenizer(model).decode([t for t in out if t != 1])
+    assert len(text) == 3 and text.isdigit(), text

@@ -24,6 +24,8 @@ from pathlib import Path
 from shardline.bench import llama_cpp
 from shardline.bench.machine import describe, peak_rss
 from shardline.compute import blas
+from shardline.compute.constraints import Matchers, json_schema
+from shardline.compute.sampling import SamplingParams
 from shardline.engine.engine import Engine, EngineConfig
 
 PREFILL_STEP = 128
@@ -175,11 +177,13 @@ def _decode_tps(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def _streams(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def _streams(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams | None = None
+) -> tuple[float, list[list[int]]]:
     """Concurrent streams: tokens/s while every one of them is decoding, and each stream's tokens."""
     stamps: list[list[float]] = [[] for _ in prompts]
     tokens: list[list[int]] = [[] for _ in prompts]
-    handles = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
+    handles = [engine.submit(p, max_tokens=max_tokens, sampling=sampling) for p in prompts]
 
     def follow(i: int) -> None:
         for t in handles[i]:
@@ -195,6 +199,49 @@ def _streams(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple
     start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
     inside = sum(1 for s in stamps for x in s if start < x <= end)
     return inside / (end - start), tokens
+
+
+# Long enough that every stream decodes to max_tokens: 8 streams measured while all of them decode.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "items": {
+            "type": "array",
+            "minItems": 40,
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "count": {"type": "integer", "minimum": 0}},
+                "required": ["name", "count"],
+            },
+        },
+    },
+    "required": ["title", "items"],
+}
+
+
+def _constrained_sampling(model_dir: Path) -> SamplingParams:
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    end = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return SamplingParams(constraint=json_schema(BENCH_SCHEMA, end))
+
+
+def _mask_ms(model_dir: Path, outputs: list[list[int]], vocab: int) -> tuple[float, float]:
+    """The sampling stage's cost per constrained token: each output replayed token by token through the
+    same matcher cache a runner keeps (in this process, one core), the time of each mask."""
+    c = _constrained_sampling(model_dir).constraint
+    assert c is not None
+    matchers = Matchers(model_dir / "tokenizer.json")
+    times = []
+    for i, out in enumerate(outputs):
+        for n in range(len(out)):
+            start = time.perf_counter()
+            matchers.mask(f"r{i}", c, out[:n], vocab)
+            times.append((time.perf_counter() - start) * 1e3)
+    matchers.close()
+    times.sort()
+    return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))]
 
 
 def _last_step_ms(engine: Engine) -> list[float]:
@@ -280,6 +327,13 @@ def _round(
         raw["s2_2stream_tps"], _ = _streams(engine, stream_prompts[:2], decode_tokens)
         one.append(_streams(engine, stream_prompts[:1], decode_tokens)[0])
         raw["s2_8stream_tps"], together = _streams(engine, stream_prompts, decode_tokens)
+        # The same 8 streams under a JSON schema, between two unconstrained runs (A-B-A).
+        free = [raw["s2_8stream_tps"]]
+        raw["s2_8stream_constrained_tps"], constrained = _streams(
+            engine, stream_prompts, decode_tokens, _constrained_sampling(model_dir)
+        )
+        free.append(_streams(engine, stream_prompts, decode_tokens)[0])
+        raw["s2_8stream_free_tps"] = statistics.mean(free)
         one.append(_streams(engine, stream_prompts[:1], decode_tokens)[0])
         raw["s2_1stream_tps"] = statistics.mean(one[:2])  # the one the 2 streams sat between
         raw["s2_1stream_after_tps"] = statistics.mean(one[1:])  # and the one the 8 streams sat between
@@ -287,6 +341,7 @@ def _round(
             alone = [_streams(engine, [p], decode_tokens)[1][0] for p in stream_prompts]
             raw["batched_outputs_mismatched"] = sum(a != b for a, b in zip(alone, together, strict=True))
             memory = _stage_memory(engine)  # after the long prefill and the 8 streams: every peak is in
+            raw["mask_ms_p50"], raw["mask_ms_p99"] = _mask_ms(model_dir, constrained, vocab)
     if llama:
         llama_2t.append(llama.bench(2))
         raw["llama_cpp_2t_decode_tps"] = statistics.mean(x["decode_tps"] for x in llama_2t)
@@ -301,6 +356,7 @@ def _round(
         "throughput_ratio_2streams_vs_1": raw["s2_2stream_tps"] / raw["s2_1stream_tps"],
         "throughput_ratio_8streams_vs_1": raw["s2_8stream_tps"] / raw["s2_1stream_after_tps"],
         "throughput_ratio_8streams_vs_single_process": raw["s2_8stream_tps"] / raw["single_decode_tps"],
+        "constrained_decode_ratio": raw["s2_8stream_constrained_tps"] / raw["s2_8stream_free_tps"],
     }
     if llama:
         ratios["decode_ratio_s1_vs_llama_cpp_1t"] = raw["s1_decode_tps"] / raw["llama_cpp_1t_decode_tps"]
@@ -370,6 +426,9 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     }
     result.update({k: statistics.median(v) for k, v in rounds.items()})
     result["decode_tps_s1"] = statistics.median(raws["s1_decode_tps"])
+    # Per constrained token on the sampling stage, replayed from round 1's outputs (reported, no target).
+    result["mask_ms_p50"] = statistics.median(raws["mask_ms_p50"])
+    result["mask_ms_p99"] = statistics.median(raws["mask_ms_p99"])
     result["weights_bytes_ratio_vs_gguf"] = _weights_bytes(model_dir) / gguf.stat().st_size if gguf else None
     stage_memory = _memory_ratios(memory, allowance)
     result["peak_rss_ratio_per_stage"] = [m["ratio"] for m in stage_memory]
@@ -418,6 +477,7 @@ TARGETS = {
     "throughput_ratio_8streams_vs_1": 5.0,
     "throughput_ratio_8streams_vs_single_process": 4.0,
     "batched_outputs_mismatched": 0,
+    "constrained_decode_ratio": 0.9,
 }
 
 
@@ -443,6 +503,7 @@ def _print_table(result: dict) -> None:
         print(f"  {key}: {value if isinstance(value, list) else round(value, 2)}")
     print(f"  decode token profile (ms): {result['decode_token_profile_ms']}")
     print(f"decode_tps_s1 (one stream, one stage, one core): {result['decode_tps_s1']:.2f}")
+    print(f"constrained mask per token (ms): p50 {result['mask_ms_p50']:.3f}, p99 {result['mask_ms_p99']:.3f}")
     if "skipped" in result["llama_cpp"]:
         print(f"llama.cpp: {result['llama_cpp']['skipped']}")
     else:

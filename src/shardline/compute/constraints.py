@@ -119,13 +119,30 @@ class Matchers:
 
             if self.tokenizer_json is None or not self.tokenizer_json.is_file():
                 raise FileNotFoundError("constrained decoding needs the model's tokenizer.json")
-            self._tokenizer = LLTokenizer(str(self.tokenizer_json), n_vocab=vocab)
+            tok = LLTokenizer(str(self.tokenizer_json))
+            # A head padded past the tokenizer's tokens (common) needs them counted; a head smaller than the
+            # tokenizer (tiny test models) takes the first `vocab` bits of each mask.
+            self._tokenizer = (
+                tok if tok.vocab_size >= vocab else LLTokenizer(str(self.tokenizer_json), n_vocab=vocab)
+            )
             self._vocab = vocab
             self._entries.clear()
         return self._tokenizer
 
     def mask(self, request_id: str, c: Constraint, output: list[int], vocab: int) -> np.ndarray:
-        """The allowed tokens after `output`: the cached matcher advanced, or rebuilt when out of step."""
+        """The allowed tokens after `output`: the cached matcher advanced, or rebuilt when out of step.
+        A constraint that fails here ends its own request (only its end tokens are allowed), never the
+        stage: a stage failure would fail every request on it, and the retry would fail again."""
+        try:
+            return self._mask(request_id, c, output, vocab)
+        except Exception:
+            log.exception("constraint of request %s failed; ending its output", request_id)
+            self._entries.pop(request_id, None)
+            only_end = np.zeros(vocab, dtype=bool)
+            only_end[[t for t in c.end if t < vocab]] = True
+            return only_end
+
+    def _mask(self, request_id: str, c: Constraint, output: list[int], vocab: int) -> np.ndarray:
         from llguidance import LLMatcher
 
         tok = self.tokenizer(vocab)

@@ -513,68 +513,78 @@ def test_openai_tool_calls_parse_and_validate_whole_and_streamed(oai, choice):
     later = [d.chunk.choices[0].delta.tool_calls[0] for d in deltas[1:]]
     assert len(later) >= 2 and all(t.index == 0 and t.id is None and t.function.name is None for t in later)
 
-    sampled = _chat(oai, ASK, **{**kw, "temperature": 1.0, "parallel_tool_calls": True}, seed=5)
-    assert sampled.choices[0].finish_reason == "tool_calls"
-    assert len(_valid_calls(sampled.choices[0].message.tool_calls)) >= 1
+    # Sampled: still one valid call. (With parallel calls allowed, the default model keeps calling until
+    # max_tokens; the grammar of several calls is tested in test_tools.)
+    sampled = _chat(oai, ASK, **{**kw, "temperature": 1.0}, seed=5)
+    assert sampled.choices[0].finish_reason == "tool_calls", sampled.choices[0].message.content
+    assert len(_valid_calls(sampled.choices[0].message.tool_calls)) == 1
+
+
+def _weather_call(city: str, call_id: str = "call_1") -> dict[str, Any]:
+    args = json.dumps({"city": city, "unit": "celsius"})
+    return {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": args}}
+
+
+# An earlier call in the conversation: the default model, which knows no tools, then calls under auto.
+PRIMED = [
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [_weather_call("Rome")]},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
 
 
 @pytest.mark.timeout(400)
-def test_openai_auto_none_and_a_tool_result_in_a_later_turn(oai):
-    """auto answers text or valid calls; none keeps the tools out of the prompt; a conversation carrying
-    the assistant's call and the tool's result reaches the model (another result, another answer)."""
+def test_openai_auto_none_and_a_tool_result_in_a_later_turn(oai, tokenizer):
+    """none keeps the tools out of the prompt; auto answers text or valid calls, whole and streamed; a
+    conversation carrying the assistant's call and the tool's result puts both in the prompt."""
     plain = _chat(oai, ASK, temperature=0, max_tokens=24)
     none = _chat(oai, ASK, temperature=0, max_tokens=24, tools=TOOLS, tool_choice="none")
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
     assert none.choices[0].message.content == plain.choices[0].message.content
-    auto = _chat(oai, ASK, temperature=0, tools=TOOLS)
-    a = auto.choices[0]
-    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools are in the prompt
-    if a.message.tool_calls:
-        assert a.finish_reason == "tool_calls" and _valid_calls(a.message.tool_calls)
-    else:
-        assert a.finish_reason == "stop" and not a.message.content.startswith("<tool_call>")
+    text = _chat(oai, ASK, temperature=0, tools=TOOLS)  # this question: the model answers in text
+    assert text.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools are in the prompt
+    assert text.choices[0].finish_reason == "stop" and text.choices[0].message.tool_calls is None
+    assert not text.choices[0].message.content.startswith("<tool_call>")
 
-    call = {
-        "id": "call_abc",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
-    }
+    kw = {"model": MODEL, "messages": PRIMED, "tools": TOOLS, "temperature": 0, "max_tokens": 120}
+    called = oai.chat.completions.create(**kw)
+    assert called.choices[0].finish_reason == "tool_calls", called.choices[0].message.content
+    calls = _valid_calls(called.choices[0].message.tool_calls)
+    with oai.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    assert _valid_calls(final.choices[0].message.tool_calls) == calls
 
-    def answer(result: str, stream: bool = False) -> tuple[str, int]:
+    def answer(result: str) -> tuple[str, int]:
         messages = [
             {"role": "user", "content": ASK},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "assistant", "content": None, "tool_calls": [_weather_call("Paris", "call_abc")]},
             {"role": "tool", "tool_call_id": "call_abc", "content": result},
         ]
         kw = {"temperature": 0, "max_tokens": 40, "tools": TOOLS, "tool_choice": "none"}
-        if stream:
-            text, _ = _streamed(
-                oai.chat.completions.create(model=MODEL, messages=messages, stream=True, **kw)
-            )
-            return text, 0
         r = oai.chat.completions.create(model=MODEL, messages=messages, **kw)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
         return r.choices[0].message.content, r.usage.prompt_tokens
 
-    sunny, n_sunny = answer('{"sky": "sunny", "celsius": 31}')
-    snowy, n_snowy = answer('{"sky": "heavy snow", "celsius": -12}')
-    assert sunny and snowy and sunny != snowy
-    assert n_sunny > none.usage.prompt_tokens and n_snowy > n_sunny
-    assert answer('{"sky": "sunny", "celsius": 31}', stream=True)[0] == sunny
+    results = ['{"sky": "sunny", "celsius": 31}', '{"sky": "heavy snow and wind", "celsius": -12}']
+    (_, n_sunny), (_, n_snowy) = answer(results[0]), answer(results[1])
+    assert n_sunny > none.usage.prompt_tokens + 20  # the call and its result
+    sizes = [len(tokenizer.encode(r, add_special_tokens=False)) for r in results]
+    assert n_snowy - n_sunny == sizes[1] - sizes[0]  # the result itself, token for token
 
 
 @pytest.mark.timeout(400)
-def test_anthropic_tool_use_whole_streamed_and_a_tool_result(api):
+def test_anthropic_tool_use_whole_streamed_and_a_tool_result(api, tokenizer):
     client = anthropic.Anthropic(base_url=api, api_key="unused", max_retries=0, timeout=240)
     tools = [
         {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
         for f in (WEATHER, TIME)
     ]
     messages = [{"role": "user", "content": ASK}]
-    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 160, "temperature": 0, "tools": tools}
-    for choice in (
-        {"type": "any", "disable_parallel_tool_use": True},
-        {"type": "tool", "name": "get_weather"},
-    ):
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 160, "tools": tools, "extra_body": {"temperature": 0}}
+    one = {"disable_parallel_tool_use": True}
+    for choice in ({"type": "any", **one}, {"type": "tool", "name": "get_weather", **one}):
         whole = client.messages.create(messages=messages, tool_choice=choice, **kw)
         assert whole.stop_reason == "tool_use"
         uses = [b for b in whole.content if b.type == "tool_use"]
@@ -589,7 +599,7 @@ def test_anthropic_tool_use_whole_streamed_and_a_tool_result(api):
         streamed = [b for b in final.content if b.type == "tool_use"]
         assert [(b.name, b.input) for b in streamed] == [(uses[0].name, uses[0].input)]
 
-    def after(result: str) -> str:
+    def after(result: str) -> int:
         turns = [
             *messages,
             {
@@ -610,9 +620,12 @@ def test_anthropic_tool_use_whole_streamed_and_a_tool_result(api):
         ]
         r = client.messages.create(messages=turns, tool_choice={"type": "none"}, **{**kw, "max_tokens": 40})
         assert r.stop_reason in ("end_turn", "max_tokens") and r.content[0].type == "text"
-        return r.content[0].text
+        assert r.content[0].text
+        return r.usage.input_tokens
 
-    assert after("sunny, 31 degrees") != after("heavy snow, -12 degrees")
+    results = ["sunny, 31 degrees", "heavy snow and wind, -12 degrees"]
+    sizes = [len(tokenizer.encode(r, add_special_tokens=False)) for r in results]
+    assert after(results[1]) - after(results[0]) == sizes[1] - sizes[0]  # the result is in the prompt
 
 
 @pytest.mark.timeout(400)
@@ -638,8 +651,18 @@ def test_ollama_format_and_tools(api):
     )
     assert streamed == generated.response
 
-    # No tool_choice in Ollama: the model decides. This question makes the default model call.
-    ask = [{"role": "user", "content": ASK}]
+    # No tool_choice in Ollama: the model decides. An earlier call makes the default model call.
+    ask = [
+        PRIMED[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}}
+            ],
+        },
+        PRIMED[2],
+    ]
     called = client.chat(model=MODEL, messages=ask, tools=TOOLS, options=opts)
     calls = called.message.tool_calls or []
     assert calls, called.message.content

@@ -24,7 +24,7 @@ from shardline.api.tool_calls import (
     call_id,
     parse_calls,
 )
-from shardline.api.tools import Tool, ToolPlan, history_call, named, plan_constraint, tool_of
+from shardline.api.tools import Mode, Tool, ToolPlan, history_call, named, plan_constraint, tool_of
 from shardline.compute.sampling import SamplingParams
 
 
@@ -111,6 +111,8 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 calls.append(history_call(b.get("name"), b.get("input"), b.get("id"), "messages"))
             elif kind == "tool_result" and m.role == "user":
                 content = b.get("content", "")
+                if not isinstance(content, str | list):
+                    raise bad_request("a tool_result holds text or text blocks", "messages")
                 result = content if isinstance(content, str) else _text(content, "messages")
                 results.append({"role": "tool", "content": result, "tool_call_id": b.get("tool_use_id", "")})
             else:
@@ -139,6 +141,9 @@ def tools_of(tools: list[dict[str, Any]] | None) -> tuple[Tool, ...]:
     return tuple(out)
 
 
+MODES: dict[str, Mode] = {"auto": "auto", "any": "required", "none": "none"}
+
+
 def plan_of(tools: tuple[Tool, ...], choice: dict[str, Any] | None) -> ToolPlan | None:
     """Anthropic's tool_choice: auto, any (some tool), tool (that one), none; disable_parallel_tool_use."""
     choice = choice or {"type": "auto"}
@@ -152,7 +157,7 @@ def plan_of(tools: tuple[Tool, ...], choice: dict[str, Any] | None) -> ToolPlan 
         return None
     if kind == "tool":
         return named(tools, str(choice.get("name")), parallel, "tool_choice")
-    return ToolPlan(tools, {"auto": "auto", "any": "required", "none": "none"}[kind], None, parallel)  # type: ignore[arg-type]
+    return ToolPlan(tools, MODES[kind], None, parallel)
 
 
 def _stop_reason(o: Outcome, called: bool = False) -> str:

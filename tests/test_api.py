@@ -388,7 +388,8 @@ ERROR_CASES = [
     ("openai", CHAT, {**OK_CHAT, "n": 129}, 400),
     ("openai", CHAT, {**OK_CHAT, "response_format": {"type": "yaml"}}, 400),
     ("openai", CHAT, {**OK_CHAT, "logit_bias": {"not-a-token": 1}}, 400),
-    ("openai", CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("openai", CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400),
+    ("openai", CHAT, {**OK_CHAT, "tool_choice": "required"}, 400),
     ("openai", "/v1/completions", {"model": MODEL, "prompt": [1] * 9000, "max_tokens": 2}, 400),
     ("anthropic", "/v1/messages", b"[1,", 400),
     ("anthropic", "/v1/messages", {**OK_MSG, "max_tokens": "many"}, 400),
@@ -397,7 +398,8 @@ ERROR_CASES = [
     ("ollama", "/api/chat", b"{", 400),
     ("ollama", "/api/chat", {**OK_OLLAMA, "model": "nope"}, 404),
     ("ollama", "/api/chat", {**OK_OLLAMA, "options": {"temperature": "hot"}}, 400),
-    ("ollama", "/api/generate", {"model": MODEL, "prompt": "hi", "format": "json", "stream": False}, 400),
+    ("ollama", "/api/generate", {"model": MODEL, "prompt": "hi", "format": "yaml", "stream": False}, 400),
+    ("anthropic", "/v1/messages", {**OK_MSG, "tool_choice": {"type": "any"}}, 400),
 ]
 
 

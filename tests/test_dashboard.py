@@ -6,6 +6,7 @@ file order and the last one kills a node. Node a2 requires an API key (the page 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -132,6 +133,33 @@ def test_chat_streams_an_answer(cluster, page):
     assert "Paris" in answer.locator(".text").inner_text()
     assert page.evaluate("window.__lengths.size") >= 3
     expect(answer.locator(".meta")).to_contain_text("tokens")
+
+
+@pytest.mark.timeout(180)
+def test_chat_shows_a_tool_call_and_its_json(cluster, page):
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    page.select_option("#chat-model", MODEL)
+    page.fill("#chat-temp", "0")
+    page.locator(".chat-tools summary").click()
+    options = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+    page.fill("#chat-extra", json.dumps(options))
+    page.locator("#chat-input").fill("What is the weather in Paris?")
+    page.locator("#chat-send").click()
+    answer = page.locator(".msg.assistant").last
+    expect(answer).to_have_attribute("data-state", "done", timeout=120_000)
+    call = answer.locator(".call")
+    expect(call).to_have_count(1)
+    shown = call.inner_text()
+    assert shown.startswith("get_weather(") and shown.endswith(")")
+    args = json.loads(shown.removeprefix("get_weather(").removesuffix(")"))
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    page.fill("#chat-extra", "")
 
 
 @pytest.mark.timeout(240)

@@ -45,13 +45,14 @@ def constraint_of(fmt: dict[str, Any] | None) -> Constraint | None:
     return c
 
 
-def checked(c: Constraint | None) -> Constraint | None:
-    """The constraint, once its grammar compiles (off the event loop: a large schema takes a while)."""
+def checked(c: Constraint | None, param: str = PARAM) -> Constraint | None:
+    """The constraint, once its grammar compiles (off the event loop: a large schema takes a while); else
+    a 400 naming `param`, the parameter it came from (response_format, or tools for a call's grammar)."""
     if c is None:
         return None
     why = problem(c)
     if why is not None:
-        raise bad_request(f"response_format's schema cannot be used: {why}", PARAM)
+        raise bad_request(f"the schema in {param} cannot be used: {why}", param)
     return c
 
 

@@ -1,9 +1,12 @@
 """Ollama-compatible routes: /api/chat and /api/generate (NDJSON streamed by default, as Ollama does),
-/api/tags, /api/show, /api/version."""
+/api/tags, /api/show, /api/version. `format` ("json" or a JSON schema) constrains the answer; /api/chat
+takes `tools` and answers calls as `message.tool_calls` (arguments an object)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -12,10 +15,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import shardline
-from shardline.api.errors import ApiError, error_responses, unsupported
+from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
+from shardline.api.formats import checked
 from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
+from shardline.api.tool_calls import CallEnd, CallStream, TextPiece, parse_calls
+from shardline.api.tools import ToolPlan, history_call, openai_tools, plan_constraint
+from shardline.compute.constraints import Constraint, any_json_object, json_schema
 from shardline.compute.sampling import SamplingParams
 
 ERRORS = error_responses("ollama", 400, 401, 403, 404, 429, 503)
@@ -40,9 +47,11 @@ class Options(BaseModel):
 class OllamaMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_name: str | None = None  # a tool message: the tool that answered
 
 
 class Common(BaseModel):
@@ -105,9 +114,19 @@ class Tags(BaseModel):
     models: list[TagModel]
 
 
+class FunctionOut(BaseModel):
+    name: str
+    arguments: dict[str, Any]
+
+
+class ToolCallOut(BaseModel):
+    function: FunctionOut
+
+
 class ChatOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class Final(BaseModel):
@@ -179,9 +198,38 @@ def model_name(service: Service, name: str) -> str:
     return name
 
 
-def _check(req: Common) -> None:
-    if req.format not in (None, ""):
-        raise unsupported("format", "format (structured output)")
+def format_of(fmt: str | dict[str, Any] | None) -> Constraint | None:
+    """Ollama's `format`: "json" (any JSON object) or a JSON schema."""
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return any_json_object(())
+    if isinstance(fmt, dict):
+        return json_schema(fmt, ())
+    raise bad_request(f'format must be "json" or a JSON schema, not {fmt!r}', "format")
+
+
+def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    """The conversation in api/tools.py's neutral form (Ollama's calls carry arguments as objects)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        turn: dict[str, Any] = {"role": m.role, "content": m.content}
+        calls = [c.get("function") for c in m.tool_calls or []]
+        if m.role == "assistant" and calls:
+            if not all(isinstance(fn, dict) for fn in calls):
+                raise bad_request("an assistant's tool_calls need a function object each", "messages")
+            turn["tool_calls"] = [
+                history_call(fn["name"], fn.get("arguments"), None, "messages") for fn in calls
+            ]
+        out.append(turn)
+    return out
+
+
+def _calls_out(text: str, plan: ToolPlan | None) -> list[dict[str, Any]] | None:
+    calls = parse_calls(text, plan.allowed) if plan is not None and plan.calling else None
+    return (
+        None if calls is None else [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    )
 
 
 def _final(run: ActiveRequest, o: Outcome) -> dict[str, Any]:
@@ -207,26 +255,33 @@ def router(service: Service) -> APIRouter:
 
     @r.post("/api/chat", response_model=ChatResponse, responses={**ERRORS, 200: STREAMED_NDJSON})
     async def chat(req: ChatRequest, request: Request) -> Any:
-        _check(req)
-        if req.tools:
-            raise unsupported("tools", "tools (function calling)")
         if any(m.images for m in req.messages):
             raise unsupported("images", "images")
         sampling, limit, stops = _sampling(req.options)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        tools = openai_tools(req.tools)
+        plan = ToolPlan(tools) if tools else None  # Ollama has no tool_choice: the model decides
+        constraint = plan_constraint(plan, format_of(req.format))
+        constraint = await asyncio.to_thread(checked, constraint, "tools" if plan else "format")
+        sampling = sampling.model_copy(update={"constraint": constraint})
+        messages = _messages(req.messages)
         model = model_name(service, req.model)
-        run = await service.start("ollama_chat", model, lambda t: t.chat(messages), limit, sampling, stops)
+        run = await service.start(
+            "ollama_chat", model, lambda t: t.chat(messages, tools), limit, sampling, stops
+        )
         if req.stream is not False:
-            return stream_response(run, _chat_lines, "ollama", "application/x-ndjson")
+            return stream_response(run, lambda r: _chat_lines(r, plan), "ollama", "application/x-ndjson")
         o = await whole(request, run)
-        return {**_final(run, o), "message": {"role": "assistant", "content": o.text}}
+        calls = _calls_out(o.text, plan)
+        message = {"role": "assistant", "content": o.text if calls is None else ""}
+        return {**_final(run, o), "message": {**message, **({"tool_calls": calls} if calls else {})}}
 
     @r.post("/api/generate", response_model=GenerateResponse, responses={**ERRORS, 200: STREAMED_NDJSON})
     async def generate(req: GenerateRequest, request: Request) -> Any:
-        _check(req)
         if req.images:
             raise unsupported("images", "images")
         sampling, limit, stops = _sampling(req.options)
+        constraint = await asyncio.to_thread(checked, format_of(req.format), "format")
+        sampling = sampling.model_copy(update={"constraint": constraint})
         model = model_name(service, req.model)
         if not req.prompt:
             # Ollama answers an empty prompt by loading the model; here the model is placed already.
@@ -304,11 +359,29 @@ def router(service: Service) -> APIRouter:
     return r
 
 
-async def _chat_lines(run: ActiveRequest) -> AsyncIterator[bytes]:
+async def _chat_lines(run: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[bytes]:
+    """Text as it comes; a call (as Ollama streams them) in one line once it is whole."""
+    stream = CallStream()
+
+    def lines(events: list[Any]) -> list[bytes]:
+        out = []
+        for e in events:
+            msg: dict[str, Any] | None = None
+            if isinstance(e, TextPiece):
+                msg = {"role": "assistant", "content": e.text}
+            elif isinstance(e, CallEnd):
+                call = {"function": {"name": e.name, "arguments": json.loads(e.arguments or "{}")}}
+                msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+            if msg is not None:
+                out.append(ndjson({"model": run.model, "created_at": _now(), "message": msg, "done": False}))
+        return out
+
     async for c in run.chunks():
         if c.text:
-            msg = {"role": "assistant", "content": c.text}
-            yield ndjson({"model": run.model, "created_at": _now(), "message": msg, "done": False})
+            for line in lines(stream.feed(c.text) if plan is not None else [TextPiece(c.text)]):
+                yield line
+    for line in lines(stream.end()):
+        yield line
     assert run.outcome is not None
     yield ndjson({**_final(run, run.outcome), "message": {"role": "assistant", "content": ""}})
 

@@ -15,6 +15,8 @@ from shardline.api.formats import check_bias_tokens, checked, constraint_of, log
 from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, RunGroup, merged, sse, stream_response, whole_all
+from shardline.api.tool_calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, parse_calls
+from shardline.api.tools import ToolPlan, history_call, openai_plan, openai_tools, plan_constraint
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
 
@@ -29,9 +31,11 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class StreamOptions(BaseModel):
@@ -70,8 +74,10 @@ class ChatRequest(Sampling):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated forms of tools and tool_choice
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -98,16 +104,28 @@ class Timings(BaseModel):
     total_s: float
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class _Answer(BaseModel):
@@ -193,12 +211,13 @@ async def start_choices(
     max_tokens: int | None,
     sampling: SamplingParams,
     stops: list[str],
+    constraint_param: str = "response_format",
 ) -> list[ActiveRequest]:
     """Submit the request's n choices (all or none): each is a request of its own through the front."""
     n = req.n or 1
     if n > service.settings.max_pending:
         raise bad_request(f"n is {n}; this node runs at most {service.settings.max_pending} at once", "n")
-    constraint = await asyncio.to_thread(checked, sampling.constraint)
+    constraint = await asyncio.to_thread(checked, sampling.constraint, constraint_param)
     sampling = sampling.model_copy(update={"constraint": constraint})
 
     def ids(text: ModelText) -> list[int]:
@@ -232,21 +251,51 @@ def message_text(content: str | list[TextPart] | None) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    out = []
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation in the neutral form of api/tools.py (earlier calls and tool results included)."""
+    out: list[dict[str, Any]] = []
     for msg in messages:
         role = "system" if msg.role == "developer" else msg.role
-        out.append({"role": role, "content": message_text(msg.content)})
+        turn: dict[str, Any] = {"role": role, "content": message_text(msg.content)}
+        if role == "assistant" and msg.tool_calls:
+            turn["tool_calls"] = [_earlier_call(c) for c in msg.tool_calls]
+        if role == "tool":
+            turn["tool_call_id"] = msg.tool_call_id or ""
+        out.append(turn)
     return out
 
 
+def _earlier_call(c: dict[str, Any]) -> dict[str, Any]:
+    fn = c.get("function")
+    if c.get("type", "function") != "function" or not isinstance(fn, dict):
+        raise bad_request("an assistant's tool_calls must be function calls", "messages")
+    return history_call(fn.get("name"), fn.get("arguments"), c.get("id"), "messages")
+
+
 def _check_chat(req: ChatRequest) -> None:
-    if req.tools or req.functions:
-        raise unsupported("tools", "tools (function calling)")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool_choice")
+    if req.functions or req.function_call is not None:
+        name = "functions" if req.functions else "function_call"
+        raise unsupported(name, f"{name} (deprecated; use tools and tool_choice)")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def chat_plan(req: ChatRequest) -> ToolPlan | None:
+    """The request's tools and tool_choice; None when it has none (or only tool_choice "none")."""
+    if req.parallel_tool_calls is not None and not req.tools:
+        raise bad_request("parallel_tool_calls needs tools", "parallel_tool_calls")
+    return openai_plan(openai_tools(req.tools), req.tool_choice, req.parallel_tool_calls)
+
+
+def _message(outcome: Outcome, plan: ToolPlan | None) -> tuple[AssistantMessage, str]:
+    """A whole answer: its calls when it is made of valid calls, else its text (see api/tools.py)."""
+    calls = parse_calls(outcome.text, plan.allowed) if plan is not None and plan.calling else None
+    if calls is None:
+        return AssistantMessage(content=outcome.text), outcome.finish_reason
+    out = [
+        ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments_json)) for c in calls
+    ]
+    return AssistantMessage(content=None, tool_calls=out), "tool_calls"
 
 
 def _completion_prompt(req: CompletionRequest) -> Any:
@@ -332,28 +381,43 @@ def router(service: Service) -> APIRouter:
         _check_chat(req)
         top = (req.top_logprobs or 0) if req.logprobs else 0
         sampling = sampling_of(req, top)
+        plan = chat_plan(req)
+        calling = plan is not None and plan.calling
+        if calling:
+            sampling = sampling.model_copy(update={"constraint": plan_constraint(plan, sampling.constraint)})
         stops = _stops(req.stop)
         messages = chat_messages(req.messages)
+        tools = plan.tools if calling and plan is not None else ()
         max_tokens = req.max_completion_tokens or req.max_tokens
         runs = await start_choices(
-            service, "chat", req, lambda text: text.chat(messages), max_tokens, sampling, stops
+            service,
+            "chat",
+            req,
+            lambda text: text.chat(messages, tools),
+            max_tokens,
+            sampling,
+            stops,
+            "tools" if calling else "response_format",
         )
         group = RunGroup(runs)
         text = runs[0].text
         want_lp = bool(req.logprobs)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return stream_response(group, lambda g: _chat_events(g.runs, text, want_lp, usage), "openai")
+            return stream_response(
+                group, lambda g: _chat_events(g.runs, text, want_lp, usage, plan), "openai"
+            )
         outcomes = await whole_all(request, group)
         choices = []
         for i, (run, outcome) in enumerate(zip(runs, outcomes, strict=True)):
             logprobs = {"content": [_token_logprob(t, text) for t in run.used]} if want_lp else None
+            message, finish = _message(outcome, plan)
             choices.append(
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content=outcome.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=finish,  # type: ignore[arg-type]
                 )
             )
         return ChatCompletion(
@@ -415,9 +479,10 @@ def router(service: Service) -> APIRouter:
 
 
 async def _chat_events(
-    runs: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool
+    runs: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool, plan: ToolPlan | None
 ) -> AsyncIterator[bytes]:
-    """Every choice's chunks as they come, each carrying its choice's index."""
+    """Every choice's chunks as they come, each carrying its choice's index; calls as `tool_calls` deltas
+    (the first of a call with its id, type and name, then pieces of its arguments)."""
     first = runs[0]
     base = {
         "id": f"chatcmpl-{first.id}",
@@ -430,17 +495,43 @@ async def _chat_events(
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return sse({**base, "choices": [choice]})
 
+    calling = plan is not None and plan.calling
+    streams = [CallStream(may_be_text=plan is None or plan.mode == "auto") for _ in runs]
+    ids: dict[tuple[int, int], str] = {}
+
+    def deltas(i: int, events: list[Event]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, TextPiece):
+                out.append({"content": e.text})
+            elif isinstance(e, CallStart):
+                ids[i, e.index] = call_id()
+                fn = {"name": e.name, "arguments": ""}
+                call = {"index": e.index, "id": ids[i, e.index], "type": "function", "function": fn}
+                out.append({"tool_calls": [call]})
+            elif isinstance(e, ArgsPiece):
+                out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+        return out
+
     for i in range(len(runs)):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for i, c in merged([run.chunks() for run in runs]):
         if c is None:
             outcome = runs[i].outcome
             assert outcome is not None
-            yield chunk(i, {}, outcome.finish_reason)
+            for d in deltas(i, streams[i].end()):
+                yield chunk(i, d)
+            called = streams[i].calls > 0 and outcome.finish_reason == "stop"
+            yield chunk(i, {}, "tool_calls" if called else outcome.finish_reason)
             continue
         lp = {"content": [_token_logprob(t, text) for t in c.tokens]} if logprobs and c.tokens else None
-        if c.text or lp:
-            yield chunk(i, {"content": c.text}, lp=lp)
+        if not calling:
+            if c.text or lp:
+                yield chunk(i, {"content": c.text}, lp=lp)
+            continue
+        out = deltas(i, streams[i].feed(c.text)) or ([{"content": ""}] if lp else [])
+        for k, d in enumerate(out):
+            yield chunk(i, d, lp=lp if k == 0 else None)
     if usage:
         outcomes = [run.outcome for run in runs if run.outcome is not None]
         yield sse({**base, "choices": [], "usage": _usage(outcomes), "timings": _timings(outcomes)})

@@ -29,6 +29,7 @@ from shardline.api.live import SAMPLE_S, Histories
 from shardline.api.metrics import Metrics
 from shardline.api.steps import StepCounts
 from shardline.api.text import TextStream
+from shardline.api.tools import Tool, function_spec, generic_messages, template_takes_tools
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
 from shardline.cluster.placement import ModelFootprint, PlacementRequest, footprint_from_dir
@@ -77,8 +78,17 @@ class ModelText:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
+    def chat(self, messages: list[dict[str, Any]], tools: tuple[Tool, ...] = ()) -> list[int]:
+        """The prompt of a conversation (messages may carry tool calls and results, see api/tools.py)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template and template_takes_tools(template):  # the model's own tool format
+            specs = [function_spec(t) for t in tools] or None
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=specs, add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        messages = generic_messages(messages, tools)
+        if template:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return self.tokenizer.encode(text, add_special_tokens=False)
         # No template: a plain transcript that ends where the assistant speaks.

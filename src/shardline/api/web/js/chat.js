@@ -14,6 +14,7 @@ export class Chat {
     this.stopButton = document.getElementById("chat-stop");
     this.maxTokens = document.getElementById("chat-max");
     this.temperature = document.getElementById("chat-temp");
+    this.extra = document.getElementById("chat-extra");
     document.getElementById("chat-form").addEventListener("submit", (e) => {
       e.preventDefault();
       this.ask();
@@ -56,9 +57,28 @@ export class Chat {
     return el;
   }
 
+  // The request options box: a JSON object added to the request (tools, tool_choice...); throws if it is not.
+  extraOf() {
+    const raw = this.extra.value.trim();
+    if (!raw) return {};
+    const extra = JSON.parse(raw);
+    if (typeof extra !== "object" || extra === null || Array.isArray(extra)) throw new Error("not a JSON object");
+    return extra;
+  }
+
   async ask() {
     const question = this.input.value.trim();
     if (!question || this.abort || !this.model.value) return;
+    let extra;
+    try {
+      extra = this.extraOf();
+      this.extra.removeAttribute("aria-invalid");
+    } catch (err) {
+      this.extra.setAttribute("aria-invalid", "true");
+      this.extra.closest("details").open = true;
+      this.extra.title = `request options not sent: ${err.message}`;
+      return;
+    }
     this.input.value = "";
     this.message("user", question);
     this.history.push({ role: "user", content: question });
@@ -68,6 +88,7 @@ export class Chat {
     const meta = h("p", { class: "meta" });
     answer.append(meta);
     const body = {
+      ...extra,
       model: this.model.value,
       messages: this.history,
       stream: true,
@@ -78,6 +99,7 @@ export class Chat {
     this.abort = new AbortController();
     this.busy(true);
     let content = "";
+    const calls = []; // tool calls as they stream: {id, type, function: {name, arguments}} by index
     let end = "done";
     try {
       await streamEvents("/v1/chat/completions", {
@@ -92,6 +114,17 @@ export class Chat {
           if (delta) {
             content += delta;
             text.textContent = content;
+            this.log.scrollTop = this.log.scrollHeight;
+          }
+          for (const part of chunk.choices?.[0]?.delta?.tool_calls || []) {
+            if (!calls[part.index]) {
+              calls[part.index] = { id: part.id, type: "function", function: { name: part.function.name, arguments: "" } };
+              calls[part.index].el = h("pre", { class: "call" });
+              meta.before(calls[part.index].el);
+            }
+            const call = calls[part.index];
+            call.function.arguments += part.function?.arguments || "";
+            call.el.textContent = `${call.function.name}(${call.function.arguments})`;
             this.log.scrollTop = this.log.scrollHeight;
           }
           if (chunk.usage) {
@@ -117,7 +150,8 @@ export class Chat {
       answer.dataset.state = end;
       this.abort = null;
       this.busy(false);
-      this.history.push({ role: "assistant", content });
+      const made = calls.filter(Boolean).map(({ el, ...call }) => call);
+      this.history.push(made.length ? { role: "assistant", content, tool_calls: made } : { role: "assistant", content });
       if (end === "error" && !content) this.history.splice(-2, 2);
     }
   }

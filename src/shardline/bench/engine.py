@@ -503,7 +503,8 @@ def _print_table(result: dict) -> None:
         print(f"  {key}: {value if isinstance(value, list) else round(value, 2)}")
     print(f"  decode token profile (ms): {result['decode_token_profile_ms']}")
     print(f"decode_tps_s1 (one stream, one stage, one core): {result['decode_tps_s1']:.2f}")
-    print(f"constrained mask per token (ms): p50 {result['mask_ms_p50']:.3f}, p99 {result['mask_ms_p99']:.3f}")
+    p50, p99 = result["mask_ms_p50"], result["mask_ms_p99"]
+    print(f"constrained mask per token (ms): p50 {p50:.3f}, p99 {p99:.3f}")
     if "skipped" in result["llama_cpp"]:
         print(f"llama.cpp: {result['llama_cpp']['skipped']}")
     else:

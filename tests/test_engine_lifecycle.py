@@ -59,6 +59,14 @@ def test_corrupt_model_dir_fails_start_cleanly(tiny_models, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_models["llama"], bad)
     (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    # The engine reads the weight files' headers to split the layers: an unreadable one fails at once,
+    # before a session or a runner exists.
+    with pytest.raises(EngineError, match="unreadable safetensors header"):
+        Engine(EngineConfig(model_dir=bad, stages=2, load_timeout=60, log_dir=tmp_path / "logs"))
+    # A header that reads but tensors that do not: the stages fail to load, and start says so cleanly.
+    header = (tiny_models["llama"] / "model.safetensors").read_bytes()
+    length = int.from_bytes(header[:8], "little")
+    (bad / "model.safetensors").write_bytes(header[: 8 + length] + b"\x00" * 16)
     engine = Engine(EngineConfig(model_dir=bad, stages=2, load_timeout=60, log_dir=tmp_path / "logs"))
     with pytest.raises(EngineError, match="stage"):
         engine.start()

@@ -30,6 +30,7 @@ from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, open_session
 from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
 from shardline.front.front import Front, ModelLimits
+from shardline.models.errors import CorruptModelError
 from shardline.node.agent import NodeAgent, stage_log
 from shardline.runner.spec import Fault, RunnerSpec
 
@@ -81,11 +82,22 @@ def read_model_config(model_dir: Path) -> dict:
     return config
 
 
+def _stage_ranges(model_dir: Path, stages: int) -> list[tuple[int, int]]:
+    try:
+        return split_for_stages(footprint_from_dir(model_dir), stages)
+    except CorruptModelError as exc:
+        raise EngineError(f"cannot use model {model_dir}: {exc}") from exc
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = read_model_config(config.model_dir)
         self.layers = int(self.model_config.get("num_hidden_layers") or 0)
+        # Before anything is opened: a model whose weight files are unreadable fails here, and leaves nothing.
+        self._ranges = (
+            _stage_ranges(config.model_dir, config.stages) if 1 <= config.stages <= self.layers else []
+        )
         trained = int(self.model_config.get("max_position_embeddings") or 2**31)
         self.context_length = config.context_length or trained
         self.instance = uuid.uuid4().hex[:12]
@@ -109,11 +121,6 @@ class Engine:
         self.submit = self.front.submit
         self.cancel = self.front.cancel
         hidden = int(self.model_config.get("hidden_size") or 1024)
-        self._ranges = (
-            split_for_stages(footprint_from_dir(config.model_dir), config.stages)
-            if 1 <= config.stages <= self.layers
-            else []
-        )
         self.controller = (
             InstanceController(
                 self.session,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models import cache as kv_cache
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import load_config, load_model
@@ -79,6 +80,8 @@ class Shard:
         self.norm = inner.norm if layers.is_last else None
         self.hidden_size = int(config["hidden_size"])
         self.head_split = self._head_split()
+        # Looked up once: finish_head runs on every sampled step of the first stage.
+        self.head_dtype = self._head_input_dtype() if self.head_split else None
         # On CPU with the native module: each block's native ops for decode positions (batched.DecodePlan).
         self.plans = [DecodePlan.of(block) for block in self.layers]
         self.fast_decode = any(p is not None for p in self.plans)
@@ -107,8 +110,6 @@ class Shard:
         e = self.embed
         if type(e) is nn.Embedding:
             return e.weight.dtype
-        from mlx.utils import tree_flatten
-
         norms = [v.dtype for k, v in tree_flatten(self.layers[0].parameters()) if "norm" in k]
         found = {e["scales"].dtype, *norms}
         floats = [d for d in found if d in (mx.float32, mx.float16, mx.bfloat16)]
@@ -176,20 +177,16 @@ class Shard:
 
     def finish_head(self, packed: mx.array) -> mx.array:
         """On the first stage: the last stage's `head` output -> full logits (..., vocab)."""
-        h = packed[..., : self.hidden_size].astype(self._head_input_dtype())  # as the last stage had it
+        h = packed[..., : self.hidden_size].astype(self.head_dtype)  # as the last stage had it
         lower = self._head_rows(h, 0, self.head_split)
         return mx.concatenate([lower.astype(mx.float32), packed[..., self.hidden_size :]], axis=-1)
 
     def weight_bytes(self) -> int:
-        from mlx.utils import tree_flatten
-
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
 
 def _check_partial(model: nn.Module, model_dir: Path, layers: LayerRange) -> None:
     """Lenient loading leaves a tensor absent from the files randomly initialised: refuse that instead."""
-    from mlx.utils import tree_flatten
-
     wanted = {}
     for name, value in tree_flatten(model.parameters()):
         # The layer list was sliced: layer j here is layer start + j in the files.

@@ -37,6 +37,7 @@ def _windows(vocab: int, n: int = 3) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied head; tied head (split across 2 stages)
+@pytest.mark.timeout(180)
 def test_staged_perplexity_equals_mlx_lm_and_does_not_depend_on_stages(tiny_models, arch):
     model_dir = tiny_models[arch]
     token_windows = _windows(512)
@@ -65,6 +66,7 @@ def test_staged_logits_are_what_the_engines_runner_processes_compute(tiny_models
         assert float(mx.abs(mine - got).max() / mx.abs(got).max()) < 1e-5
 
 
+@pytest.mark.timeout(30)
 def test_windows_follow_llama_perplexity():
     tokens = list(range(10 * 8 + 3))
     w = windows(tokens, 8)
@@ -75,6 +77,7 @@ def test_windows_follow_llama_perplexity():
         windows(list(range(31)), 16)
 
 
+@pytest.mark.timeout(30)
 def test_score_matches_a_direct_log_softmax():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(5, 11)).astype(np.float32) * 3
@@ -87,6 +90,7 @@ def test_score_matches_a_direct_log_softmax():
     assert s.ppl_err == pytest.approx(math.sqrt(nll.var() / 4) * s.ppl, rel=1e-9)
 
 
+@pytest.mark.timeout(180)
 def test_run_reports_each_stage_count_and_skips_llama_cpp_without_a_gguf(tmp_path):
     spec = SynthSpec(
         layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=320, bits=0, dtype="float32"

@@ -19,6 +19,8 @@ from shardline.cluster.placement import (
 )
 from shardline.models.synth import DTYPES, SynthSpec, plan, stored, weight_sizes, write_synth_model
 
+pytestmark = pytest.mark.timeout(300)
+
 _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4}
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from shardline.bench import llama_cpp
 
+pytestmark = pytest.mark.timeout(60)
+
 DATA = Path(__file__).parent / "data"
 
 

@@ -19,6 +19,8 @@ from shardline.models.registry import resolve_model
 from shardline.models.synth import SynthSpec, weight_sizes, write_synth_model
 from shardline.models.validate import validate_model_dir
 
+pytestmark = pytest.mark.timeout(300)
+
 TINY = {"layers": 3, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 320}
 
 

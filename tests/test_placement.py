@@ -154,6 +154,15 @@ def need(fp: ModelFootprint, req: PlacementRequest, s: int, e: int) -> int:
     )
 
 
+def head_work(fp: ModelFootprint, s: int, e: int) -> float:
+    """The spec: the head's work on stage [s, e); a tied head splits between the first and the last stage."""
+    n = fp.layers
+    if (s, e) == (0, n):
+        return fp.head_bytes + (fp.embed_bytes if fp.tied else 0)
+    shared = fp.embed_bytes / 2 if fp.tied and (s == 0 or e == n) else 0
+    return shared + (fp.head_bytes if e == n else 0)
+
+
 def brute_force(
     fp: ModelFootprint, nodes: list[NodeCapacity], req: PlacementRequest
 ) -> list[tuple[float, int]]:
@@ -161,12 +170,6 @@ def brute_force(
     n, order = fp.layers, sorted(nodes, key=lambda x: x.node_id)
     head = fp.head_bytes + (fp.embed_bytes if fp.tied else 0)
     per = fp.layer_overhead_bytes
-
-    def head_work(s: int, e: int) -> float:  # a tied head splits between the first and the last stage
-        if (s, e) == (0, n):
-            return head
-        shared = fp.embed_bytes / 2 if fp.tied and (s == 0 or e == n) else 0
-        return shared + (fp.head_bytes if e == n else 0)
 
     hop = (
         req.hop_cost_fraction
@@ -181,7 +184,8 @@ def brute_force(
                 stages = list(zip(chosen, itertools.pairwise(bounds), strict=True))
                 if all(need(fp, req, s, e) <= x.available_bytes for x, (s, e) in stages):
                     times = [
-                        (sum(fp.layer_bytes[s:e]) + per * (e - s) + head_work(s, e)) / (x.compute_score * 1e9)
+                        (sum(fp.layer_bytes[s:e]) + per * (e - s) + head_work(fp, s, e))
+                        / (x.compute_score * 1e9)
                         + (hop if k > 1 else 0.0)
                         for x, (s, e) in stages
                     ]
@@ -373,18 +377,12 @@ def test_split_for_stages_is_the_least_slowest_stage_of_exactly_that_many(
         with pytest.raises(ValueError, match="cannot split"):
             split_for_stages(fp, stages)
         return
-    n, head = fp.layers, fp.head_bytes + (fp.embed_bytes if fp.tied else 0)
-
-    def head_work(s: int, e: int) -> float:
-        if (s, e) == (0, n):
-            return head
-        return (fp.embed_bytes / 2 if fp.tied and (s == 0 or e == n) else 0) + (
-            fp.head_bytes if e == n else 0
-        )
+    n = fp.layers
 
     def slowest(ranges: list[tuple[int, int]]) -> float:
         return max(
-            sum(fp.layer_bytes[s:e]) + fp.layer_overhead_bytes * (e - s) + head_work(s, e) for s, e in ranges
+            sum(fp.layer_bytes[s:e]) + fp.layer_overhead_bytes * (e - s) + head_work(fp, s, e)
+            for s, e in ranges
         )
 
     got = split_for_stages(fp, stages)

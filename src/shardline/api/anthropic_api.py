@@ -22,7 +22,7 @@ from shardline.api.tool_calls import (
     CallStream,
     TextPiece,
     call_id,
-    parse_calls,
+    calls_in,
 )
 from shardline.api.tools import Mode, Tool, ToolPlan, history_call, named, plan_constraint, tool_of
 from shardline.compute.sampling import SamplingParams
@@ -201,7 +201,7 @@ def router(service: Service) -> APIRouter:
         if req.stream:
             return stream_response(run, lambda r: _events(r, plan if calling else None), "anthropic")
         o = await whole(request, run)
-        calls = parse_calls(o.text, plan.allowed) if plan is not None and calling else None
+        calls = calls_in(o.text, plan)
         content: list[OutTextBlock | OutToolUse] = [OutTextBlock(text=o.text)]
         if calls is not None:
             content = [OutToolUse(id=call_id("toolu_"), name=c.name, input=c.arguments) for c in calls]

@@ -20,7 +20,7 @@ from shardline.api.formats import checked
 from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
-from shardline.api.tool_calls import CallEnd, CallStream, TextPiece, parse_calls
+from shardline.api.tool_calls import CallEnd, CallStream, TextPiece, calls_in
 from shardline.api.tools import ToolPlan, history_call, openai_tools, plan_constraint
 from shardline.compute.constraints import Constraint, any_json_object, json_schema
 from shardline.compute.sampling import SamplingParams
@@ -226,7 +226,7 @@ def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
 
 
 def _calls_out(text: str, plan: ToolPlan | None) -> list[dict[str, Any]] | None:
-    calls = parse_calls(text, plan.allowed) if plan is not None and plan.calling else None
+    calls = calls_in(text, plan)
     return (
         None if calls is None else [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
     )

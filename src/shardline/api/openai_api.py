@@ -15,7 +15,7 @@ from shardline.api.formats import check_bias_tokens, checked, constraint_of, log
 from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, RunGroup, merged, sse, stream_response, whole_all
-from shardline.api.tool_calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, parse_calls
+from shardline.api.tool_calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, calls_in
 from shardline.api.tools import ToolPlan, history_call, openai_plan, openai_tools, plan_constraint
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
@@ -220,9 +220,13 @@ async def start_choices(
     constraint = await asyncio.to_thread(checked, sampling.constraint, constraint_param)
     sampling = sampling.model_copy(update={"constraint": constraint})
 
+    made: list[int] = []  # the n choices share one prompt: templated and tokenised once
+
     def ids(text: ModelText) -> list[int]:
-        check_bias_tokens(sampling.logit_bias, text.vocab_size)
-        return prompt(text)
+        if not made:
+            check_bias_tokens(sampling.logit_bias, text.vocab_size)
+            made.extend(prompt(text))
+        return made
 
     runs: list[ActiveRequest] = []
     try:
@@ -289,7 +293,7 @@ def chat_plan(req: ChatRequest) -> ToolPlan | None:
 
 def _message(outcome: Outcome, plan: ToolPlan | None) -> tuple[AssistantMessage, str]:
     """A whole answer: its calls when it is made of valid calls, else its text (see api/tools.py)."""
-    calls = parse_calls(outcome.text, plan.allowed) if plan is not None and plan.calling else None
+    calls = calls_in(outcome.text, plan)
     if calls is None:
         return AssistantMessage(content=outcome.text), outcome.finish_reason
     out = [
@@ -497,7 +501,6 @@ async def _chat_events(
 
     calling = plan is not None and plan.calling
     streams = [CallStream(may_be_text=plan is None or plan.mode == "auto") for _ in runs]
-    ids: dict[tuple[int, int], str] = {}
 
     def deltas(i: int, events: list[Event]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -505,9 +508,8 @@ async def _chat_events(
             if isinstance(e, TextPiece):
                 out.append({"content": e.text})
             elif isinstance(e, CallStart):
-                ids[i, e.index] = call_id()
                 fn = {"name": e.name, "arguments": ""}
-                call = {"index": e.index, "id": ids[i, e.index], "type": "function", "function": fn}
+                call = {"index": e.index, "id": call_id(), "type": "function", "function": fn}
                 out.append({"tool_calls": [call]})
             elif isinstance(e, ArgsPiece):
                 out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})

@@ -14,7 +14,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardline.api.tools import CLOSE, OPEN, Tool
+from shardline.api.tools import CLOSE, OPEN, Tool, ToolPlan
 
 _ALPHABET = string.ascii_letters + string.digits
 
@@ -31,6 +31,11 @@ class Call:
     @property
     def arguments_json(self) -> str:
         return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def calls_in(text: str, plan: ToolPlan | None) -> list[Call] | None:
+    """A whole answer's calls when the request may call (see parse_calls), else None."""
+    return parse_calls(text, plan.allowed) if plan is not None and plan.calling else None
 
 
 def parse_calls(text: str, tools: tuple[Tool, ...]) -> list[Call] | None:

@@ -110,7 +110,7 @@ class Matchers:
         self._vocab = 0
         self._entries: dict[str, _Entry] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._prepared: dict[tuple[str, int], Future[np.ndarray]] = {}
+        self._prepared: dict[tuple[str, int, int], Future[np.ndarray]] = {}
         self._lock = threading.Lock()
 
     def tokenizer(self, vocab: int) -> Any:
@@ -171,13 +171,13 @@ class Matchers:
     def prepare(self, rows: list[tuple[str, Constraint, list[int]]], vocab: int) -> None:
         """Start these rows' masks on the worker thread; `masks` takes them."""
         for rid, c, output in rows:
-            key = (rid, len(output))
+            key = (rid, len(output), vocab)  # a mask prepared for another width is not this one
             if key not in self._prepared:
                 self._prepared[key] = self._run(lambda r=rid, c=c, o=output: self.mask(r, c, o, vocab))
 
     def masks(self, rows: list[tuple[str, Constraint, list[int]]], vocab: int) -> list[np.ndarray]:
         self.prepare(rows, vocab)
-        futures = [self._prepared.pop((rid, len(output))) for rid, _, output in rows]
+        futures = [self._prepared.pop((rid, len(output), vocab)) for rid, _, output in rows]
         return [f.result() for f in futures]
 
     def close(self) -> None:

@@ -113,11 +113,11 @@ Pick = tuple[mx.array, mx.array, mx.array, mx.array]  # token, its logprob, top 
 def apply_logit_bias(logits: mx.array, bias: tuple[tuple[int, float], ...]) -> mx.array:
     if not bias:
         return logits
-    ids = [t for t, _ in bias if 0 <= t < logits.shape[-1]]
-    if not ids:
+    pairs = [(t, b) for t, b in bias if 0 <= t < logits.shape[-1]]
+    if not pairs:
         return logits
     add = mx.zeros(logits.shape, dtype=logits.dtype)
-    add[mx.array(ids)] = mx.array([b for t, b in bias if 0 <= t < logits.shape[-1]], dtype=logits.dtype)
+    add[mx.array([t for t, _ in pairs])] = mx.array([b for _, b in pairs], dtype=logits.dtype)
     return logits + add
 
 

@@ -131,7 +131,6 @@ def cmd_models_synth(args: argparse.Namespace) -> int:
         tied=args.tied,
         seed=args.seed,
     )
-    spec.check()
     target = (args.models_dir or cache_dir()) / args.name
     path = write_synth_model(target, spec, progress=True, overwrite=args.force)
     record_import(path, args.name, replace=True)  # its digests, as an import records them: nodes can serve it
@@ -229,7 +228,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     positive(args.tokens, "--tokens")
     if not 0 < args.fraction < 1:
         raise CliError(f"--fraction must be between 0 and 1, got {args.fraction}")
-    dtype = args.dtype or ("float32" if not args.bits else BENCH_SPEC.dtype)
+    dtype = args.dtype or BENCH_SPEC.dtype
     spec = replace(BENCH_SPEC, layers=positive(args.layers, "--layers"), bits=args.bits, dtype=dtype)
     spec.check()
     run(json_path=args.json, spec=spec, fraction=args.fraction, tokens=args.tokens)

@@ -8,7 +8,7 @@ The method is llama.cpp's (tools/perplexity/perplexity.cpp, `perplexity()`), so 
   each window scores ctx - ctx/2 - 1 tokens; ppl = exp(mean negative log-likelihood over every window).
 
 The logits come from the engine's own stages, in one process: the model is split as the engine splits it
-(`split_layers`), each stage is `load_shard`ed (only its layers, with its attention kernel, input-major
+(`split_for_stages`), each stage is `load_shard`ed (only its layers, with its attention kernel, input-major
 weights and, with a tied head, the split head), and a window's tokens go through the stages in order in chunks
 of `prefill_step` with per-stage KV caches, as the runners' prefill does. Only the hop between processes is
 left out: a runner's `Shard.forward` returns the last position alone, and perplexity needs every position.
@@ -98,12 +98,13 @@ class StagedModel:
     """The engine's stages of one model, loaded in this process, evaluated in order with all positions."""
 
     def __init__(self, model_dir: Path, stages: int) -> None:
-        from mlx_lm.utils import load_config
+        from shardline.cluster.placement import footprint_from_dir, split_for_stages
+        from shardline.compute.shard import LayerRange, load_shard
 
-        from shardline.compute.shard import load_shard, split_layers
-
-        total = int(load_config(Path(model_dir))["num_hidden_layers"])
-        self.shards = [load_shard(Path(model_dir), r) for r in split_layers(total, stages)]
+        fp = footprint_from_dir(Path(model_dir))  # the engine's own split of one machine's cores
+        self.shards = [
+            load_shard(Path(model_dir), LayerRange(s, e, fp.layers)) for s, e in split_for_stages(fp, stages)
+        ]
 
     def logits(self, tokens: list[int], rows: tuple[int, int], step: int) -> mx.array:
         """Logits (float32) of positions rows[0]..rows[1]-1 of `tokens`, evaluated from empty caches in
@@ -228,7 +229,7 @@ def run(
         "prefill_step": prefill_step,
         "method": "llama.cpp llama-perplexity's: non-overlapping windows of ctx tokens from empty caches, "
         "BOS first when the tokenizer adds one, the second half of each window scored",
-        "engine": "the engine's stages (split_layers + load_shard: its attention kernel, input-major "
+        "engine": "the engine's stages (split_for_stages + load_shard: its attention kernel, input-major "
         "weights, split head) in one process with the runners' environment, in order, in prefill-step "
         "chunks; not runner processes (a runner returns only the last position's logits)",
         "stages": {},

@@ -14,8 +14,8 @@ import zenoh
 from pydantic import ValidationError
 
 from shardline.cluster.weights.errors import WeightsError
-from shardline.cluster.weights.files import NAME, check_name, stamp, weight_files
-from shardline.cluster.weights.manifest import Manifest, model_manifest
+from shardline.cluster.weights.files import NAME, SHARD_MANIFEST, check_name, stamp, weight_files
+from shardline.cluster.weights.manifest import Manifest, model_manifest, record_path
 from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply, key_prefix
 
 log = logging.getLogger("shardline.weights")
@@ -66,7 +66,10 @@ class WeightServer:
         for d in sorted(self.models_root.iterdir()):
             if self._closed:
                 return
-            if NAME.match(d.name) and d.is_dir():
+            # Only what is cheap to read: a model without an import record would be hashed whole here,
+            # and that waits for the first peer that asks for it, as before.
+            recorded = (d / SHARD_MANIFEST).is_file() or record_path(d).is_file()
+            if NAME.match(d.name) and d.is_dir() and recorded:
                 with contextlib.suppress(_Refused):
                     self.manifest(d.name)
 

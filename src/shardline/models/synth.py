@@ -25,6 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from shardline.models.formats import SAFETENSORS_ITEMSIZE
+
 SYNTH_INFO_FILE = "shardline_synthetic.json"
 SYNTH_FORMAT_VERSION = 1
 PURPOSE = "synthetic random weights: for speed and memory benchmarks only, never for text quality"
@@ -132,11 +134,8 @@ def stored(spec: SynthSpec, t: PlannedTensor) -> list[tuple[str, str, tuple[int,
     ]
 
 
-_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4}
-
-
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * _BYTES[dtype]
+    return math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
 
 
 def config(spec: SynthSpec) -> dict:
@@ -317,10 +316,10 @@ def parameter_count(spec: SynthSpec) -> int:
 
 
 def _headers(model_dir: Path) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    from shardline.cluster.weights.files import read_header
+
     for path in sorted(Path(model_dir).glob("model*.safetensors")):
-        with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+        _, header = read_header(path)
         header.pop("__metadata__", None)
         for name, entry in header.items():
             yield name, entry["dtype"], tuple(entry["shape"])
@@ -335,7 +334,7 @@ def weight_sizes(model_dir: Path) -> dict[str, int]:
     entries = list(_headers(model_dir))
     names = {name for name, _, _ in entries}
     for name, dtype, shape in entries:
-        stored_bytes += math.prod(shape) * _BYTES.get(dtype, 4)
+        stored_bytes += math.prod(shape) * SAFETENSORS_ITEMSIZE.get(dtype, 4)
         base = name.removesuffix(".weight")
         if name.endswith((".scales", ".biases")) and base.rsplit(".", 1)[0] + ".weight" in names:
             continue  # a quantized weight's group parameters: not parameters of the model

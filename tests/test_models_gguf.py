@@ -650,9 +650,9 @@ def test_quantized_import_holds_each_type_as_gguf_dequantizes_it(
     stored, floats = load_file(str(quant / "model.safetensors")), load_file(str(full / "model.safetensors"))
     config = json.loads((quant / "config.json").read_text())
     quantization = config["quantization"]
-    bits = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8}.get(
-        qtype, {Q.Q4_K: 4, Q.Q5_K: 5}.get(qtype, 8)
-    )
+    from test_gguf_quant import BITS
+
+    bits = BITS.get(qtype, 8)  # Q6_K: its nearest faithful form, 8 bits
     exact = qtype != Q.Q6_K
     assert quantization["group_size"] == 32 and quantization["mode"] == "affine"
     assert config["quantization_config"] == quantization

@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import mlx.core as mx
 import pytest
+from test_constraints import END, _batched, _vocab
 
 from shardline.api.errors import ApiError
 from shardline.api.formats import checked
@@ -30,10 +31,8 @@ from shardline.api.tools import (
 )
 from shardline.compute.constraints import Matchers
 from shardline.compute.sampling import SamplingParams
-from shardline.dataplane.messages import BATCH_ID, Row, Step
 from shardline.runner.worker import finish
 
-END = (2,)  # the default model's <|im_end|>
 WEATHER = {
     "type": "function",
     "function": {
@@ -161,7 +160,7 @@ def test_masked_sampling_writes_calls_that_parse_and_validate(model_dir, mode, n
     from tokenizers import Tokenizer
 
     hf = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    vocab = _vocab(model_dir)
     plan = ToolPlan(TOOLS, mode, name, parallel)  # type: ignore[arg-type]
     c = checked(plan_constraint(plan, None), "tools")
     assert c is not None
@@ -177,16 +176,7 @@ def test_masked_sampling_writes_calls_that_parse_and_validate(model_dir, mode, n
         live = [i for i in range(rows) if not ended[i]]
         if not live:
             break
-        batch = Step(
-            seq=step,
-            request_id=BATCH_ID,
-            pos=0,
-            n=len(live),
-            sample=True,
-            rows=[
-                Row(request_id=f"r{i}", pos=10 + step, sampling=settings[i], output=outputs[i]) for i in live
-            ],
-        )
+        batch = _batched([(f"r{i}", settings[i], outputs[i]) for i in live], step)
         y = mx.random.normal((len(live), vocab), key=mx.random.key(step)) * 3
         result, _ = finish(batch, y, m)
         for i, r in zip(live, result.rows, strict=True):

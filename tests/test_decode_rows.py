@@ -14,7 +14,11 @@ from shardline.compute.shard import load_shard
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_rows_equal_each_alone_bitwise(tiny_models, arch):
-    shard = load_shard(tiny_models[arch])
+    assert_rows_equal_each_alone(load_shard(tiny_models[arch]), arch)
+
+
+def assert_rows_equal_each_alone(shard, label: str) -> None:
+    """Three requests of different lengths, 3 decode steps: batched rows give each request its lone bits."""
     lengths = [3, 17, 40]
 
     def prefilled(n: int, seed: int) -> list:
@@ -31,4 +35,4 @@ def test_rows_equal_each_alone_bitwise(tiny_models, arch):
         got = shard.forward_rows(tokens, together)
         mx.eval(want, got)
         for i in range(len(lengths)):
-            assert mx.array_equal(want[i], got[i]).item(), (arch, step, i)
+            assert mx.array_equal(want[i], got[i]).item(), (label, step, i)

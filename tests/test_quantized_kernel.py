@@ -353,19 +353,6 @@ def test_quantized_batched_decode_rows_equal_each_alone_bitwise(quantized_models
     quantized.reset_native()
     shard = load_shard(quantized_models["llama"])
     assert shard.fast_decode
+    from test_decode_rows import assert_rows_equal_each_alone
 
-    def prefilled(n: int, seed: int) -> list:
-        cache = shard.make_cache()
-        mx.eval(shard.forward(mx.random.randint(0, 200, (1, n), key=mx.random.key(seed)), cache))
-        return cache
-
-    lengths = [3, 17, 40]
-    alone = [prefilled(n, i) for i, n in enumerate(lengths)]
-    together = [prefilled(n, i) for i, n in enumerate(lengths)]
-    for step in range(3):
-        tokens = mx.array([[7 + step], [11 + step], [13 + step]])
-        want = [shard.forward(tokens[i : i + 1], alone[i]) for i in range(len(lengths))]
-        got = shard.forward_rows(tokens, together)
-        mx.eval(want, got)
-        for i in range(len(lengths)):
-            assert mx.array_equal(want[i], got[i]).item(), (step, i)
+    assert_rows_equal_each_alone(shard, "quantized llama")

@@ -46,10 +46,20 @@ using QPrepareFn = void (*)(const float* x, int M, int K, int bits, int group_si
                             float* xsum);
 using QRowsFn = void (*)(const Problem&, const QX&, int n0, int n1);
 
+// Decode attention over one KV head's `len` cached positions (rows `kl` / `vl` floats apart) for the `rep`
+// query heads that share it (q: rep x D, contiguous).
+// scores: s[r * len + l] = scale * q_r . k_l
+using ScoresFn = void (*)(const float* q, int rep, int D, const float* k, int64_t kl, int len, float scale,
+                          float* s);
+// mix: out_r += sum_l p[r * len + l] * v_l (out: rep x D, contiguous)
+using MixFn = void (*)(const float* p, int rep, int D, const float* v, int64_t vl, int len, float* out);
+
 struct Kernels {
   const char* name;
   RowsFn rows;
   DequantFn dequant;
+  ScoresFn scores;
+  MixFn mix;
   QPrepareFn int_prepare = nullptr;  // null where the CPU has no fast integer dot product
   QRowsFn int_rows = nullptr;
 };
@@ -64,6 +74,9 @@ inline void prefetch_ahead(const uint8_t* at, size_t len, const uint8_t* end) {
 
 // Writes x (M x K, float32, row-major) in the order the kernels read it.
 void prepare_x(const float* x, int M, int K, int bits, float* xp);
+
+// The kernel set chosen now (set_isa), for ops outside the products.
+const Kernels& current_kernels();
 
 const Kernels& kernels_scalar();
 #if defined(__x86_64__) || defined(_M_X64)

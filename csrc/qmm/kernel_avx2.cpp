@@ -49,8 +49,13 @@ struct S {
 }  // namespace avx2_isa
 
 const Kernels& kernels_avx2() {
-  static const Kernels k{"avx2", &avx2_isa::Impl<avx2_isa::S>::rows, &avx2_isa::Impl<avx2_isa::S>::dequant,
-                         &avx2_isa::int16_avx2::prepare, &avx2_isa::int16_avx2::int_rows};
+  static const Kernels k{.name = "avx2",
+                         .rows = &avx2_isa::Impl<avx2_isa::S>::rows,
+                         .dequant = &avx2_isa::Impl<avx2_isa::S>::dequant,
+                         .scores = &avx2_isa::Impl<avx2_isa::S>::scores,
+                         .mix = &avx2_isa::Impl<avx2_isa::S>::mix,
+                         .int_prepare = &avx2_isa::int16_avx2::prepare,
+                         .int_rows = &avx2_isa::int16_avx2::int_rows};
   return k;
 }
 

@@ -47,8 +47,13 @@ struct S {
 }  // namespace avx512_isa
 
 const Kernels& kernels_avx512() {
-  static const Kernels k{"avx512", &avx512_isa::Impl<avx512_isa::S>::rows,
-                         &avx512_isa::Impl<avx512_isa::S>::dequant, &avx512_isa::prepare, &avx512_isa::int_rows};
+  static const Kernels k{.name = "avx512",
+                         .rows = &avx512_isa::Impl<avx512_isa::S>::rows,
+                         .dequant = &avx512_isa::Impl<avx512_isa::S>::dequant,
+                         .scores = &avx512_isa::Impl<avx512_isa::S>::scores,
+                         .mix = &avx512_isa::Impl<avx512_isa::S>::mix,
+                         .int_prepare = &avx512_isa::prepare,
+                         .int_rows = &avx512_isa::int_rows};
   return k;
 }
 

@@ -18,8 +18,13 @@ namespace avx512_vnni_isa {
 }  // namespace avx512_vnni_isa
 
 const Kernels& kernels_avx512_vnni() {
-  static const Kernels k{"avx512_vnni", kernels_avx512().rows, kernels_avx512().dequant,
-                         &avx512_vnni_isa::prepare, &avx512_vnni_isa::int_rows};
+  static const Kernels k{.name = "avx512_vnni",
+                         .rows = kernels_avx512().rows,
+                         .dequant = kernels_avx512().dequant,
+                         .scores = kernels_avx512().scores,
+                         .mix = kernels_avx512().mix,
+                         .int_prepare = &avx512_vnni_isa::prepare,
+                         .int_rows = &avx512_vnni_isa::int_rows};
   return k;
 }
 

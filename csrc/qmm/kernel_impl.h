@@ -174,4 +174,39 @@ struct Impl {
       }
     }
   }
+
+  // Attention's two products (kernel.h: ScoresFn, MixFn). Two vector chains per dot where D allows, one
+  // horizontal sum per score; each cached row is read once for all the query heads that share it.
+  static void scores(const float* q, int rep, int D, const float* k, int64_t kl, int len, float scale, float* s) {
+    for (int l = 0; l < len; ++l) {
+      const float* kr = k + l * kl;
+      for (int r = 0; r < rep; ++r) {
+        const float* qr = q + size_t(r) * D;
+        V a0 = S::zero(), a1 = S::zero();
+        int d = 0;
+        for (; d + 2 * L <= D; d += 2 * L) {
+          a0 = S::fma(S::load(qr + d), S::load(kr + d), a0);
+          a1 = S::fma(S::load(qr + d + L), S::load(kr + d + L), a1);
+        }
+        for (; d + L <= D; d += L) a0 = S::fma(S::load(qr + d), S::load(kr + d), a0);
+        float dot = S::hsum(S::add(a0, a1));
+        for (; d < D; ++d) dot += qr[d] * kr[d];
+        s[size_t(r) * len + l] = dot * scale;
+      }
+    }
+  }
+
+  static void mix(const float* p, int rep, int D, const float* v, int64_t vl, int len, float* out) {
+    for (int l = 0; l < len; ++l) {
+      const float* vr = v + l * vl;
+      for (int r = 0; r < rep; ++r) {
+        float* o = out + size_t(r) * D;
+        const float w = p[size_t(r) * len + l];
+        const V wv = S::set1(w);
+        int d = 0;
+        for (; d + L <= D; d += L) S::store(o + d, S::fma(wv, S::load(vr + d), S::load(o + d)));
+        for (; d < D; ++d) o[d] += w * vr[d];
+      }
+    }
+  }
 };

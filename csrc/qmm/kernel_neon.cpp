@@ -47,7 +47,11 @@ struct S {
 }  // namespace neon_isa
 
 const Kernels& kernels_neon() {
-  static const Kernels k{"neon", &neon_isa::Impl<neon_isa::S>::rows, &neon_isa::Impl<neon_isa::S>::dequant};
+  static const Kernels k{.name = "neon",
+                         .rows = &neon_isa::Impl<neon_isa::S>::rows,
+                         .dequant = &neon_isa::Impl<neon_isa::S>::dequant,
+                         .scores = &neon_isa::Impl<neon_isa::S>::scores,
+                         .mix = &neon_isa::Impl<neon_isa::S>::mix};
   return k;
 }
 

@@ -33,7 +33,11 @@ struct S {
 }  // namespace scalar_isa
 
 const Kernels& kernels_scalar() {
-  static const Kernels k{"scalar", &scalar_isa::Impl<scalar_isa::S>::rows, &scalar_isa::Impl<scalar_isa::S>::dequant};
+  static const Kernels k{.name = "scalar",
+                         .rows = &scalar_isa::Impl<scalar_isa::S>::rows,
+                         .dequant = &scalar_isa::Impl<scalar_isa::S>::dequant,
+                         .scores = &scalar_isa::Impl<scalar_isa::S>::scores,
+                         .mix = &scalar_isa::Impl<scalar_isa::S>::mix};
   return k;
 }
 

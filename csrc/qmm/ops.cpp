@@ -13,6 +13,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
+#include "kernel.h"
 #include "util.h"
 
 namespace shardline_qmm {
@@ -159,7 +160,6 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
     const bool dense_rows = in[1].strides()[3] == 1 && in[2].strides()[3] == 1;
     float* out = outs[0].data<float>();
     thread_local std::vector<float> p, kbuf, vbuf;
-    p.resize(L);
     if (!dense_rows) {  // head_dim itself strided: gather (not seen from mlx-lm's caches)
       kbuf.resize(size_t(Hkv) * L * D);
       vbuf.resize(size_t(Hkv) * L * D);
@@ -174,27 +174,23 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
     const float* vb = dense_rows ? vs : vbuf.data();
     const int64_t kh = dense_rows ? ksh : int64_t(L) * D, kl = dense_rows ? ksl : D;
     const int64_t vh = dense_rows ? vsh : int64_t(L) * D, vl = dense_rows ? vsl : D;
-    for (int h = 0; h < H; ++h) {
-      const int g = h / rep;
-      const float* qh = qs + size_t(h) * D;
-      float m = -INFINITY;
-      for (int l = 0; l < L; ++l) {
-        const float* kr = kb + g * kh + l * kl;
-        float sdot = 0.0f;
-        for (int d = 0; d < D; ++d) sdot += qh[d] * kr[d];
-        p[l] = sdot * scale;
-        m = std::fmax(m, p[l]);
+    // Per KV head: the scores of the query heads that share it, their softmax, their mix of the values,
+    // with the chosen CPU's vector kernels.
+    const Kernels& kern = current_kernels();
+    p.resize(size_t(rep) * L);
+    std::fill_n(out, size_t(H) * D, 0.0f);
+    for (int g = 0; g < Hkv; ++g) {
+      kern.scores(qs + size_t(g) * rep * D, rep, D, kb + g * kh, kl, L, scale, p.data());
+      for (int r = 0; r < rep; ++r) {
+        float* pr = p.data() + size_t(r) * L;
+        float m = -INFINITY;
+        for (int l = 0; l < L; ++l) m = std::fmax(m, pr[l]);
+        float total = 0.0f;
+        for (int l = 0; l < L; ++l) total += (pr[l] = exp_approx(pr[l] - m));
+        const float inv = 1.0f / total;
+        for (int l = 0; l < L; ++l) pr[l] *= inv;
       }
-      float total = 0.0f;
-      for (int l = 0; l < L; ++l) total += (p[l] = exp_approx(p[l] - m));
-      const float inv = 1.0f / total;
-      float* oh = out + size_t(h) * D;
-      for (int d = 0; d < D; ++d) oh[d] = 0.0f;
-      for (int l = 0; l < L; ++l) {
-        const float w = p[l] * inv;
-        const float* vr = vb + g * vh + l * vl;
-        for (int d = 0; d < D; ++d) oh[d] += w * vr[d];
-      }
+      kern.mix(p.data(), rep, D, vb + g * vh, vl, L, out + size_t(g) * rep * D);
     }
   };
   return one({1, 1, H * D}, mx::float32, "ShardlineDecodeAttention", body, {q, keys, values});

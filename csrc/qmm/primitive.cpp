@@ -282,6 +282,8 @@ bool set_isa(const std::string& name) {
 
 std::string isa() { return g_kernels.load()->name; }
 
+const Kernels& current_kernels() { return *g_kernels.load(std::memory_order_relaxed); }
+
 void set_gemm_rows(int rows) { g_gemm_rows.store(rows); }
 int gemm_rows() { return g_gemm_rows.load(); }
 bool has_blas() { return cblas_sgemm != nullptr; }

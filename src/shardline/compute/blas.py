@@ -48,6 +48,10 @@ def runner_env(threads: int, base: dict[str, str] | None = None) -> dict[str, st
     # the heap is not trimmed back below 1 GiB: tiles reuse the same pages from one step to the next.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
     env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    # glibc gives each thread that allocates (zenoh's receive workers, the runner's own) an arena of its
+    # own, whose freed blocks no other thread reuses: a first stage's peak RSS fell 367 -> 288 MiB with two
+    # arenas (the node daemon's setting too), at the same speed.
+    env.setdefault("MALLOC_ARENA_MAX", "2")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

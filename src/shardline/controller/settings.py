@@ -19,6 +19,9 @@ class InstanceSettings(BaseModel):
 
     prefill_step: int = Field(256, ge=1)
     max_batch: int = Field(16, ge=1)  # decode positions of different requests batched in one step
+    # Keep prompts' KV in blocks of prefill_step tokens and start later requests after the blocks their
+    # prompts begin with (runner/prefix.py); off, every prompt is prefilled in full.
+    prefix_cache: bool = True
     # A step may take deadline_slack x its estimate (from its size and the stage's measured speed, seeded by
     # warm-up), within [step_deadline_floor, step_timeout]. The runner watchdog waits watchdog_factor x that,
     # so the controller names a stall first when it can.

@@ -74,7 +74,10 @@ class Step(Wire):
     context: list[int] = []
     output: list[int] = []  # tokens generated so far, when presence or frequency penalties need them
     want_logits: bool = False
-    reserve: int = 0  # on a request's first step: positions to allocate the KV cache for at once
+    reserve: int = 0  # on a request's first step: positions its KV cache may grow to
+    # Prefix cache (runner/prefix.py; the leader decides, every stage obeys in ring order):
+    attach: list[int] = []  # on a request's first step: its cache starts as these cached blocks, in order
+    seal: int | None = None  # this step fills one whole block: keep it as cached block `seal` afterwards
     trace: list[float] = []  # compute seconds of each stage so far: the leader learns every stage's speed
     tensor: TensorMeta | None = None
     rows: list[Row] = []
@@ -119,11 +122,18 @@ class Release(Wire):
     request_id: str
 
 
+class Evict(Wire):
+    """Drop these cached blocks (the leader's decision): requests that attached them keep their copies."""
+
+    kind: Literal["evict"] = "evict"
+    blocks: list[int]
+
+
 class Stop(Wire):
     kind: Literal["stop"] = "stop"
 
 
-RingMessage = Annotated[Step | StepResult | Release | Stop, Field(discriminator="kind")]
+RingMessage = Annotated[Step | StepResult | Release | Evict | Stop, Field(discriminator="kind")]
 RING = TypeAdapter(RingMessage)
 
 
@@ -181,6 +191,7 @@ class Finished(Wire):
     request_id: str
     reason: Literal["stop", "length", "cancelled"]
     tokens: int = 0  # tokens the client must hold now: fewer means an event was lost
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead of a prefill
 
 
 class RequestFailed(Wire):
@@ -205,6 +216,12 @@ class LeaderBeat(Wire):
     running: int = 0  # of those, admitted
     tokens: int = 0  # tokens this leader has sampled since it started: rates come from differences
     ttft_s: list[float] = []  # submit-to-first-token of the requests that got one since the last beat
+    # Prefix cache, since this leader started: prompt tokens looked up and found (vLLM's prefix_cache_queries
+    # and _hits), and the blocks cached now with the tokens each holds.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_blocks: int = 0
+    prefix_block_tokens: int = 0
     # front -> newest control seq that reached the leader's process (on arrival, before it is processed);
     # None from an older leader: the front then cannot tell a lost Submit from a slow one
     received: dict[str, int] | None = None

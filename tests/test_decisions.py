@@ -3,31 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from shardline.compute.kv import KV_STEP, reservation_bytes
 from shardline.controller import state as cs
 from shardline.dataplane import messages as m
-from shardline.runner.schedule import admit_count
 
 CFG = cs.ControllerConfig(stages=2, heartbeat_timeout=2.0, step_deadline_floor=1.0, max_restarts=2)
-
-
-@pytest.mark.timeout(30)
-@given(
-    waiting=st.lists(st.integers(1, 100), max_size=12),
-    reserved=st.integers(0, 200),
-    budget=st.integers(0, 300),
-)
-def test_admission_is_strict_fifo_within_budget(waiting: list[int], reserved: int, budget: int) -> None:
-    n = admit_count(waiting, reserved, budget)
-    if budget == 0:
-        assert n == len(waiting)  # no budget, no limit
-        return
-    assert reserved + sum(waiting[:n]) <= budget or n == 0
-    if n < len(waiting):  # the head that stays does not fit: nothing behind it overtakes
-        assert reserved + sum(waiting[: n + 1]) > budget
 
 
 @pytest.mark.timeout(10)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 
-from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import tensor_meta
@@ -18,6 +17,7 @@ from shardline.runner import schedule
 from shardline.runner.batch_rates import BatchRates
 from shardline.runner.deadline import DeadlinePolicy, Speed
 from shardline.runner.faults import Faults
+from shardline.runner.prefix import PrefixLedger
 from shardline.runner.row_costs import RowCosts
 from shardline.runner.signals import RejoinRequested, StopRunner
 from shardline.runner.spec import RunnerSpec
@@ -61,7 +61,6 @@ class Leader:
         self.worker = runner.worker
         self.requests: dict[str, schedule.LeaderRequest] = {}  # admitted
         self.waiting: deque[m.RequestSpec] = deque()  # KV does not fit yet: strict FIFO
-        self.reserved: dict[str, int] = {}
         self.in_flight: OrderedDict[int, InFlight] = OrderedDict()  # step seq -> step, oldest first
         self.seen: dict[str, int] = {}  # front -> last control seq
         # Every request held (waiting or admitted), in one dict the beat copies in one step: a request moves
@@ -73,6 +72,11 @@ class Leader:
         self.batch_rates = BatchRates()
         own_layers = self.spec.layer_end - self.spec.layer_start
         self.kv_bytes_per_token = self.worker.kv_bytes_per_token * self.spec.layer_total // own_layers
+        # KV reservations and the prefix cache, in blocks of one prefill chunk (the stages' KV blocks).
+        block = self.spec.prefill_step
+        self.ledger = PrefixLedger(
+            block, block * self.kv_bytes_per_token, self.spec.kv_budget_bytes, self.spec.prefix_cache
+        )
         self.seq = 0
         self.tick = 0
         self.arrivals = 0
@@ -247,13 +251,15 @@ class Leader:
             self.admit()
 
     def reservation(self, spec: m.RequestSpec) -> int:
-        return reservation_bytes(len(spec.prompt), spec.max_tokens, self.kv_bytes_per_token)
+        """The KV a request may allocate, as if nothing were cached: what it is admitted against."""
+        return self.ledger.need(len(spec.prompt) + spec.max_tokens)
 
     def admit(self) -> None:
-        needs = [self.reservation(s) for s in self.waiting]
-        for _ in range(schedule.admit_count(needs, sum(self.reserved.values()), self.spec.kv_budget_bytes)):
+        count, evicted = self.ledger.admit([self.reservation(s) for s in self.waiting])
+        self.evict(evicted)
+        for _ in range(count):
             spec = self.waiting.popleft()
-            self.reserved[spec.request_id] = self.reservation(spec)
+            self.ledger.start(spec.request_id, self.reservation(spec), spec.prompt)
             self.requests[spec.request_id] = schedule.LeaderRequest(spec=spec, arrival=self.arrivals)
             self.arrivals += 1
             self.emit(m.Admitted(request_id=spec.request_id))
@@ -270,7 +276,7 @@ class Leader:
         if req is not None and not req.done:
             req.done = True  # released once its steps in flight come back
             tokens = req.spec.index_base + req.generated
-            self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=tokens))
+            self.finished(request_id, "cancelled", tokens)
 
     def _sent(self, step: schedule.FeedStep) -> m.Row:
         """Mark one request's step as sent; what sampling it needs."""
@@ -294,6 +300,22 @@ class Leader:
         )
 
     def feed(self, step: schedule.FeedStep) -> None:
+        req = self.requests[step.request_id]
+        first = step.pos == 0
+        attach: list[int] = []
+        if first:
+            # Whole cached blocks of its prompt, short of its last known token (whose step samples).
+            limit = min(req.prompt_len, len(req.known) - 1) // self.ledger.block
+            attach = self.ledger.attach(step.request_id, limit)
+            if attach:
+                req.fed = len(attach) * self.ledger.block
+                resumed = schedule.next_chunk(req, self.spec.prefill_step)
+                assert resumed is not None  # the last known token is never attached
+                step = resumed
+        seal = None
+        block = self.ledger.block
+        if step.n == block and step.pos % block == 0 and step.pos + step.n <= req.prompt_len:
+            seal = self.ledger.seal(step.request_id, step.pos // block)
         row = self._sent(step)
         self.seq += 1
         msg = m.Step(
@@ -306,10 +328,14 @@ class Leader:
             context=row.context,
             output=row.output,
             want_logits=row.want_logits,
-            reserve=len(self.requests[step.request_id].known) + 1 if step.pos == 0 else 0,
+            reserve=len(req.known) + 1 if first else 0,
+            attach=attach,
+            seal=seal,
         )
-        tokens = self.requests[step.request_id].known[step.pos : step.pos + step.n]
+        tokens = req.known[step.pos : step.pos + step.n]
         self._send(msg, InFlight(step.request_id, step.n, step.pos + step.n, reserve=msg.reserve), [tokens])
+        if attach:
+            self.admit()  # its reservation shrank by the blocks it attached
 
     def feed_rows(self, steps: tuple[schedule.FeedStep, ...]) -> None:
         rows = [self._sent(step) for step in steps]
@@ -395,18 +421,30 @@ class Leader:
             )
         if reason is not None:
             tokens = req.spec.index_base + req.generated
-            self.emit(m.Finished(request_id=res.request_id, reason=reason, tokens=tokens))
+            self.finished(res.request_id, reason, tokens)
+
+    def finished(self, request_id: str, reason: Literal["stop", "length", "cancelled"], tokens: int) -> None:
+        cached = self.ledger.cached_tokens(request_id)
+        self.emit(m.Finished(request_id=request_id, reason=reason, tokens=tokens, cached_tokens=cached))
 
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id)
         req.released = True
         self.held.pop(request_id, None)
         self.submitted_at.pop(request_id, None)
-        self.reserved.pop(request_id, None)
         self.worker.release(request_id)
         if self.r.downstream is not None:
             self.r.downstream.send(m.Release(request_id=request_id))
+        self.evict(self.ledger.release(request_id))
         self.admit()
+
+    def evict(self, blocks: list[int]) -> None:
+        """Cached blocks the ledger dropped: every stage drops them, in ring order (before any later step)."""
+        if not blocks:
+            return
+        self.worker.evict(blocks)
+        if self.r.downstream is not None:
+            self.r.downstream.send(m.Evict(blocks=blocks))
 
     def beat(self) -> None:
         """From the heartbeat thread: each copy is atomic under the GIL, and `seen` is copied first.
@@ -420,8 +458,18 @@ class Leader:
         ttfts = []
         while self.ttfts:
             ttfts.append(self.ttfts.popleft())
+        ledger = self.ledger
         beat = m.LeaderBeat(
-            seen=seen, requests=held, running=running, tokens=self.sampled, ttft_s=ttfts, received=received
+            seen=seen,
+            requests=held,
+            running=running,
+            tokens=self.sampled,
+            ttft_s=ttfts,
+            received=received,
+            prefix_queries=ledger.queries,
+            prefix_hits=ledger.hits,
+            prefix_blocks=len(ledger.blocks),
+            prefix_block_tokens=ledger.block,
         )
         self.emit(beat)
 

@@ -107,7 +107,7 @@ class RunnerProcess:
         # Attention scratch per head: one chunk attending to TILE_KEYS keys, at any context length.
         budget = spec.score_budget or attention.score_budget(spec.prefill_step)
         shard = load_shard(Path(spec.model_dir), layers, budget)
-        self.worker = StageWorker(shard, Path(spec.model_dir))
+        self.worker = StageWorker(shard, Path(spec.model_dir), block=spec.prefill_step)
         self.weight_bytes = shard.weight_bytes()
         self.speed.attn_keys = 6 * shard.hidden_size
         self.faults.maybe_fire("warmup", 0)
@@ -130,7 +130,7 @@ class RunnerProcess:
         old_status = self.status
         self.spec, self.keys = spec, Keys(spec.instance, spec.generation, spec.namespace)
         self.faults = Faults(spec.fault)
-        self.worker.caches.clear()  # the old generation's requests are resubmitted by their fronts
+        self.worker.clear()  # the old generation's requests are resubmitted by their fronts
         self.inbox = self._inbox(spec)
         self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
         old_status.close()
@@ -263,8 +263,11 @@ class RunnerProcess:
                 if self.faults.take_drop("drop_message", step_phase(msg), self.worker.steps):
                     continue
                 self.downstream.send(out, tensor)
-            elif isinstance(msg, m.Release):
-                self.worker.release(msg.request_id)
+            elif isinstance(msg, m.Release | m.Evict):
+                if isinstance(msg, m.Release):
+                    self.worker.release(msg.request_id)
+                else:
+                    self.worker.evict(msg.blocks)
                 if not self.spec.is_last:
                     self.downstream.send(msg)
             elif isinstance(msg, m.Stop):

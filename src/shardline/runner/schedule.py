@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from shardline.dataplane.messages import RequestSpec
 
@@ -152,7 +153,7 @@ def apply_step_sent(req: LeaderRequest, step: FeedStep, tick: int) -> None:
     req.last_served = tick
 
 
-def apply_token(req: LeaderRequest, token: int) -> str | None:
+def apply_token(req: LeaderRequest, token: int) -> Literal["stop", "length"] | None:
     """Record a sampled token; returns a finish reason when the request is complete."""
     if token in req.spec.stop_tokens:
         req.done = True
@@ -162,19 +163,3 @@ def apply_token(req: LeaderRequest, token: int) -> str | None:
         req.done = True
         return "length"
     return None
-
-
-def admit_count(waiting: list[int], reserved: int, budget: int) -> int:
-    """How many requests at the head of the FIFO to admit, given their KV reservations (bytes).
-
-    Strict FIFO: a large request at the head is not overtaken, so it cannot starve. budget 0: no limit.
-    """
-    if budget <= 0:
-        return len(waiting)
-    count = 0
-    for need in waiting:
-        if reserved + need > budget:
-            break
-        reserved += need
-        count += 1
-    return count

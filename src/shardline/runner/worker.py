@@ -9,7 +9,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from shardline.compute.constraints import Constraint, Matchers
-from shardline.compute.kv import KV_STEP, round_up
 from shardline.compute.sampling import SamplingParams, sample, sample_many
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
@@ -92,9 +91,13 @@ def finish(step: Step, y: mx.array, matchers: Matchers | None = None) -> tuple[S
 
 
 class StageWorker:
-    def __init__(self, shard: Shard, model_dir: Path | None = None) -> None:
+    def __init__(self, shard: Shard, model_dir: Path | None = None, block: int = 256) -> None:
         self.shard = shard
+        self.block = block  # KV positions per cache block: the prefill chunk
         self.caches: dict[str, list] = {}
+        # The prefix cache's blocks, as the leader named them: each layer's (keys, values) of one block,
+        # the same arrays the request that computed them holds (runner/prefix.py decides).
+        self.store: dict[int, list[tuple[mx.array, mx.array]]] = {}
         # Constraint matchers, on the stage that samples (the last, or the first with a split head).
         samples = shard.range.is_last != bool(shard.head_split)
         tokenizer = model_dir / "tokenizer.json" if model_dir is not None else None
@@ -111,6 +114,15 @@ class StageWorker:
         if request_id == WARMUP_ID:
             self.reset_peaks()  # peaks from here on are what real requests cost
 
+    def evict(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.store.pop(b, None)
+
+    def clear(self) -> None:
+        """A new generation: no requests, no cached blocks (its leader starts with an empty index)."""
+        self.caches.clear()
+        self.store.clear()
+
     def reset_peaks(self) -> None:
         self.kv_peak_bytes = 0
         mx.reset_peak_memory()
@@ -121,8 +133,12 @@ class StageWorker:
             self._check_rows(step, x)
             return
         cache = self.caches.get(step.request_id)
-        if cache is None and step.pos != 0:
+        if cache is None and step.pos != len(step.attach) * self.block:
             raise ProtocolError(f"step at position {step.pos} for unknown request {step.request_id}")
+        if cache is None and (missing := [b for b in step.attach if b not in self.store]):
+            raise ProtocolError(f"request {step.request_id} starts from blocks {missing}, which this stage lacks")
+        if step.seal is not None and (step.pos % self.block or step.n != self.block):
+            raise ProtocolError(f"step at {step.pos} of {step.n} positions cannot fill one block of {self.block}")
         if cache is not None and cache[0].offset != step.pos:
             raise ProtocolError(
                 f"request {step.request_id}: step at position {step.pos}, cache holds {cache[0].offset}"
@@ -154,17 +170,14 @@ class StageWorker:
         self._prepare(step)
         cache = self.caches.get(step.request_id)
         if cache is None:
-            cache = self.caches[step.request_id] = self.shard.make_cache()
-            if step.reserve:
-                # One allocation for the whole prompt: growing in small steps copies the cache each time,
-                # and the copy briefly holds two caches.
-                for c in cache:
-                    c.step = round_up(step.reserve)
+            # Starting after cached blocks shares them: each layer's cache begins with the same arrays.
+            shared = [[self.store[b][j] for b in step.attach] for j in range(len(self.shard.layers))]
+            cache = self.caches[step.request_id] = self.shard.make_cache(self.block, shared)
         y = self.shard.forward(x, cache)
         mx.eval(y)
-        if step.reserve:
-            for c in cache:
-                c.step = KV_STEP
+        if step.seal is not None:
+            index = step.pos // self.block
+            self.store[step.seal] = [c.block_pair(index) for c in cache]
         return self._done(step, y)
 
     def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
@@ -197,7 +210,16 @@ class StageWorker:
         return finish(step, self.shard.finish_head(packed), self.matchers)  # one evaluation: the sampler's
 
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for cache in list(self.caches.values()) for c in cache)
+        """The bytes of every KV block held, each once however many requests share it."""
+        seen: dict[int, int] = {}
+        for cache in list(self.caches.values()):
+            for c in cache:
+                for a in c.arrays():
+                    seen[id(a)] = a.nbytes
+        for layers in list(self.store.values()):
+            for k, v in layers:
+                seen[id(k)], seen[id(v)] = k.nbytes, v.nbytes
+        return sum(seen.values())
 
     def warm_up(self, chunk: int, delay: Callable[[], float]) -> list[StepTime]:
         """Throwaway steps of one position and of one prefill chunk: first-touch allocation is paid here,

@@ -19,7 +19,7 @@ def _ledger(budget: int = 0, enabled: bool = True) -> PrefixLedger:
 def _run_prompt(ledger: PrefixLedger, rid: str, prompt: list[int], max_tokens: int = 4) -> list[int]:
     """Admit (the caller checked it fits), attach, then seal each whole block computed: the leader's order."""
     ledger.start(rid, ledger.need(len(prompt) + max_tokens), prompt)
-    attached = ledger.attach(rid, (len(prompt) - 1) // B)
+    attached = ledger.attach(rid, (len(prompt) - 1) // B, len(prompt))
     for index in range(len(attached), len(prompt) // B):
         ledger.seal(rid, index)
     return attached
@@ -41,7 +41,7 @@ def test_a_later_request_starts_after_the_blocks_an_earlier_one_computed():
     assert _run_prompt(ledger, "a", system + [1, 2]) == []
     ids = _run_prompt(ledger, "b", system + [3, 4, 5])
     assert len(ids) == 3 and ledger.cached_tokens("b") == 12
-    assert ledger.queries == 2 * 12 and ledger.hits == 12
+    assert ledger.queries == 14 + 15 and ledger.hits == 12  # prompt tokens looked up, and found
     # Its own prompt is whole blocks only: the last block stays to be computed, since its step samples.
     assert len(_run_prompt(ledger, "c", system)) == 2
 

@@ -153,7 +153,9 @@ class Baseline:
         self.proc.wait()
 
 
-def _engine(model_dir: Path, stages: int, window: int = 0, context_length: int = 0) -> Engine:
+def _engine(
+    model_dir: Path, stages: int, window: int = 0, context_length: int = 0, prefix_cache: bool = True
+) -> Engine:
     config = EngineConfig(
         model_dir=model_dir,
         stages=stages,
@@ -161,6 +163,7 @@ def _engine(model_dir: Path, stages: int, window: int = 0, context_length: int =
         window=window,
         pin_cpus=True,
         context_length=context_length,
+        prefix_cache=prefix_cache,
     )
     return Engine(config).start()
 
@@ -367,6 +370,73 @@ def _round(
     return ratios, raw, memory
 
 
+@dataclass(frozen=True)
+class PrefixWork:
+    """The prefix cache's workloads: a conversation (a system prompt, then turns of a user message and a
+    reply) timed at its fifth turn, and concurrent requests that share one system prompt."""
+
+    system: int = 600
+    user: int = 268  # with the reply, a turn of ~300 tokens
+    reply: int = 32
+    turns: int = 5
+    shared_system: int = 1024
+    shared_user: int = 32
+    shared_requests: int = 8
+
+    @classmethod
+    def quick(cls) -> PrefixWork:
+        return cls(system=200, user=60, reply=8, shared_system=256, shared_user=16)
+
+
+def _concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Tokens a second from submitting every prompt at once to the last token, and each one's tokens."""
+    start = time.perf_counter()
+    handles = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
+    tokens = [h.tokens(timeout=600) for h in handles]
+    return sum(len(t) for t in tokens) / (time.perf_counter() - start), tokens
+
+
+def _prefix_round(model_dir: Path, vocab: int, work: PrefixWork) -> tuple[dict, dict, int]:
+    """One round of the prefix cache's figures on 2 stages: the engine with the cache, then without it. The
+    time to first token of turn 5 (two variants of its user message after the same four turns), and the
+    throughput of concurrent requests sharing a system prompt from a cold cache. Every reply is compared
+    between the two: a cached run must not change a token."""
+    history = _prompt(work.system, vocab, offset=21)
+    turns: list[tuple[list[int], list[int]]] = []  # prompt, reply
+    last = [_prompt(work.user, vocab, offset=400 + k) for k in range(2)]
+    shared = [
+        _prompt(work.shared_system, vocab, offset=31) + _prompt(work.shared_user, vocab, offset=200 + k)
+        for k in range(work.shared_requests)
+    ]
+    raw: dict[str, float] = {}
+    with _engine(model_dir, 2) as engine:
+        for t in range(work.turns - 1):
+            prompt = history + _prompt(work.user, vocab, offset=300 + t)
+            reply = engine.submit(prompt, max_tokens=work.reply).tokens(timeout=600)
+            turns.append((prompt, reply))
+            history = prompt + reply
+        ttft = [_timed_request(engine, history + user, 1)[0] for user in last]
+        raw["prefix_turn5_ttft_s_cached"] = statistics.mean(ttft)
+        raw["prefix_turn5_prompt_tokens"] = len(history) + work.user
+    with _engine(model_dir, 2) as engine:  # a cold cache: the first request computes what the rest share
+        raw["prefix_shared_tps_cached"], shared_cached = _concurrent(engine, shared, work.reply)
+    with _engine(model_dir, 2, prefix_cache=False) as engine:
+        ttft = [_timed_request(engine, history + user, 1)[0] for user in last]
+        raw["prefix_turn5_ttft_s_plain"] = statistics.mean(ttft)
+        raw["prefix_shared_tps_plain"], shared_plain = _concurrent(engine, shared, work.reply)
+        mismatched = sum(
+            engine.submit(prompt, max_tokens=work.reply).tokens(timeout=600) != reply
+            for prompt, reply in turns
+        )
+    mismatched += sum(a != b for a, b in zip(shared_cached, shared_plain, strict=True))
+    ratios = {
+        "prefix_ttft_ratio_turn5": raw["prefix_turn5_ttft_s_cached"] / raw["prefix_turn5_ttft_s_plain"],
+        "prefix_shared_prompt_throughput_ratio": raw["prefix_shared_tps_cached"]
+        / raw["prefix_shared_tps_plain"],
+    }
+    return ratios, raw, mismatched
+
+
 def _memory_ratios(memory: list[dict[str, int]], allowance: int) -> list[dict[str, float]]:
     """Each stage's peak RSS over what it needs: its weights, its KV cache at peak, the runtime allowance."""
     out = []
@@ -385,6 +455,7 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     chunks = 4 if quick else PREFILL_CHUNKS
     decode_tokens = 16 if quick else DECODE_TOKENS
     pairs = 1 if quick else pairs
+    work = PrefixWork.quick() if quick else PrefixWork()
     print(f"bench engine: {model_dir.name} on {describe()['cpu']} ({describe()['blas']})", file=sys.stderr)
 
     llama, gguf, llama_missing = _llama_reference(model, model_dir, quick)
@@ -400,6 +471,9 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
                 baseline, model_dir, vocab, chunks, decode_tokens, check_batched=i == 0, llama=llama
             )
             memory = memory or mem_i
+            prefix, prefix_raw, mismatched = _prefix_round(model_dir, vocab, work)
+            ratios.update(prefix)
+            raw.update(prefix_raw, prefix_outputs_mismatched=mismatched)
             for k, v in ratios.items():
                 rounds[k].append(v)
             for k, v in raw.items():
@@ -455,6 +529,15 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     )
     result["activation_mem_prompts"] = [short, long]
     result["batched_outputs_mismatched"] = int(max(raws["batched_outputs_mismatched"]))
+    result["prefix_outputs_mismatched"] = int(sum(raws["prefix_outputs_mismatched"]))
+    result["prefix_setup"] = (
+        f"2 stages, prefill chunk {PREFILL_STEP}; turn 5 of a conversation (system prompt {work.system} "
+        f"tokens, turns of a {work.user}-token user message and a {work.reply}-token reply), time to first "
+        "token with the cache warm from turns 1-4 over the same prompt on an engine without it; "
+        f"{work.shared_requests} concurrent requests of a {work.shared_system}-token system prompt and "
+        f"{work.shared_user} tokens of their own, {work.reply} tokens each, from a cold cache, tokens/s with "
+        "over without; every reply compared between the two"
+    )
     result["ranges"] = {k: [min(v), max(v)] for k, v in rounds.items()}
     result["raw"] = {k: _median(v) for k, v in raws.items()}
     result["rounds"] = [{k: v[i] for k, v in raws.items() if i < len(v)} for i in range(pairs)]
@@ -478,6 +561,9 @@ TARGETS = {
     "throughput_ratio_8streams_vs_single_process": 4.0,
     "batched_outputs_mismatched": 0,
     "constrained_decode_ratio": 0.9,
+    "prefix_ttft_ratio_turn5": 0.3,
+    "prefix_shared_prompt_throughput_ratio": 2.0,
+    "prefix_outputs_mismatched": 0,
 }
 
 
@@ -496,7 +582,7 @@ def _print_table(result: dict) -> None:
     print(f"model: {result['model']}; {result['setup']}; {result['pairs']} alternating rounds")
     print(f"{'metric':46} {'median':>8} {'range':>17} {'target':>8}")
     for key, target in TARGETS.items():
-        better = "<=" if key.startswith(("activation", "batched")) else ">="
+        better = "<=" if key.startswith(("activation", "batched", "prefix_ttft", "prefix_outputs")) else ">="
         lo, hi = result["ranges"].get(key, [result[key], result[key]])
         print(f"{key:46} {result[key]:8.3f} {lo:8.3f}-{hi:<8.3f} {better}{target:6.2f}")
     for key, value in result["raw"].items():

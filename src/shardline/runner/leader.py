@@ -306,7 +306,7 @@ class Leader:
         if first:
             # Whole cached blocks of its prompt, short of its last known token (whose step samples).
             limit = min(req.prompt_len, len(req.known) - 1) // self.ledger.block
-            attach = self.ledger.attach(step.request_id, limit)
+            attach = self.ledger.attach(step.request_id, limit, req.prompt_len)
             if attach:
                 req.fed = len(attach) * self.ledger.block
                 resumed = schedule.next_chunk(req, self.spec.prefill_step)
@@ -469,7 +469,7 @@ class Leader:
             prefix_queries=ledger.queries,
             prefix_hits=ledger.hits,
             prefix_blocks=len(ledger.blocks),
-            prefix_block_tokens=ledger.block,
+            prefix_block_tokens=ledger.block if ledger.enabled else 0,
         )
         self.emit(beat)
 

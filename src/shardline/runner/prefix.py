@@ -113,9 +113,9 @@ class PrefixLedger:
         keys = chain_keys(prompt, self.block) if self.enabled else []
         self.held[request_id] = Held(reserved=need, keys=keys)
 
-    def attach(self, request_id: str, limit: int) -> list[int]:
-        """Just before a request's first step: the cached blocks its prompt starts with (at most `limit`), now
-        held by it. Its reservation shrinks by them."""
+    def attach(self, request_id: str, limit: int, prompt_len: int = 0) -> list[int]:
+        """Just before a request's first step: the cached blocks its prompt (`prompt_len` tokens) starts with,
+        at most `limit`, now held by it. Its reservation shrinks by them."""
         h = self.held[request_id]
         if not self.enabled or h.blocks:
             return []
@@ -125,7 +125,7 @@ class PrefixLedger:
             if b is None:
                 break
             found.append(b)
-        self.queries += len(h.keys[:limit]) * self.block
+        self.queries += prompt_len or len(h.keys[:limit]) * self.block
         self.hits += len(found) * self.block
         self.clock += 1
         for b in found:

@@ -117,6 +117,8 @@ def test_openai_chat_whole_and_streamed_match_the_engine_and_the_tokenizer(oai, 
     assert r.usage.prompt_tokens == len(_chat_ids(tokenizer, QUESTION))
     assert r.usage.completion_tokens == len(tokens)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # The prefix cache's share of the prompt (test_api_prefix_cache.py checks the figure itself).
+    assert 0 <= r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens
 
     stream = oai.chat.completions.create(
         model=MODEL,
@@ -131,6 +133,7 @@ def test_openai_chat_whole_and_streamed_match_the_engine_and_the_tokenizer(oai, 
     assert text == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+    assert isinstance(chunks[-1].usage.prompt_tokens_details.cached_tokens, int)
 
 
 @pytest.mark.timeout(300)
@@ -222,7 +225,8 @@ def test_anthropic_client_streamed_and_whole(api, greedy, tokenizer):
     greedy_body = {"temperature": 0}
     m = client.messages.create(model=MODEL, max_tokens=24, messages=msgs, extra_body=greedy_body)
     assert m.content[0].text == expected
-    assert m.usage.input_tokens == len(_chat_ids(tokenizer, QUESTION))
+    # As Anthropic counts, what the prefix cache held is apart from input_tokens.
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(_chat_ids(tokenizer, QUESTION))
     assert m.stop_reason in ("end_turn", "max_tokens")
     with client.messages.stream(model=MODEL, max_tokens=24, messages=msgs, extra_body=greedy_body) as s:
         text = "".join(s.text_stream)
@@ -588,5 +592,14 @@ def test_metrics_in_prometheus_format(api, oai):
         "shardline_running_requests",
         "shardline_stage_step_seconds_bucket",
         "shardline_cluster_events_total{kind=",  # which kinds depends on what this shared cluster saw
+        "shardline_prefix_cache_queries_total{instance=",
+        "shardline_prefix_cache_hits_total{instance=",
+        "shardline_prefix_cache_blocks{instance=",
     ):
         assert name in text, name
+    for name, kind in (
+        ("shardline_prefix_cache_queries_total", "counter"),
+        ("shardline_prefix_cache_hits_total", "counter"),
+        ("shardline_prefix_cache_blocks", "gauge"),
+    ):
+        assert f"# TYPE {name} {kind}" in text, name

@@ -54,3 +54,26 @@ def test_cluster_cli_does_not_import_the_top_cli():
     assert "shardline.cli" not in _shardline_imports(SRC / "cluster" / "cli.py")
     assert "shardline.cli_support" in _shardline_imports(SRC / "cluster" / "cli.py")
     assert "shardline.cli_support" in _shardline_imports(SRC / "cli.py")
+
+
+@pytest.mark.timeout(60)
+def test_no_prefix_cache_reaches_the_instance_settings_of_every_command_that_takes_them():
+    from shardline.cli import engine_config
+    from shardline.cluster.cli import node_flags, runner_settings
+
+    parse = build_parser().parse_args
+    assert runner_settings(parse(["node"])).prefix_cache is True  # on unless asked
+    off = runner_settings(parse(["node", "--no-prefix-cache", "--max-batch", "4"]))
+    assert off.prefix_cache is False and off.max_batch == 4
+    # Without the flag, --runner-settings may turn it off too; the flag never turns it back on.
+    assert (
+        runner_settings(parse(["node", "--runner-settings", '{"prefix_cache": false}'])).prefix_cache is False
+    )
+    # `up` passes it to every node it starts, as a flag the node takes.
+    assert node_flags(parse(["up"])) == []
+    up = node_flags(parse(["up", "--no-prefix-cache"]))
+    assert runner_settings(parse(["node", *up])).prefix_cache is False
+    # A local pipeline (`generate`) takes it as its engine's setting.
+    model = Path("model")
+    assert engine_config(parse(["generate", "hi"]), model).prefix_cache is True
+    assert engine_config(parse(["generate", "--no-prefix-cache", "hi"]), model).prefix_cache is False

@@ -107,8 +107,11 @@ def test_page_lists_nodes_and_stages_with_layer_ranges(cluster, page):
         band = card.locator(f'[data-node-box="{st["node_id"]}"] [data-stage="{k}"]')
         expect(band.locator('[data-role="range"]')).to_have_text(f"layers {st['start']}{DASH}{st['end'] - 1}")
         expect(band).to_contain_text("ready")
-    for name in ("tokens", "running", "queued", "ttft"):
+    for name in ("tokens", "running", "queued", "ttft", "prefix", "blocks"):
         expect(card.locator(f'[data-figure="{name}"] svg.spark')).to_have_count(1)
+    # No request yet: no prompt looked up in the prefix cache (no rate, not 0%), nothing cached.
+    assert _figure(page, inst["instance"], "prefix") == DASH
+    assert _figure(page, inst["instance"], "blocks") == "0"
 
 
 @pytest.mark.timeout(180)
@@ -133,6 +136,22 @@ def test_chat_streams_an_answer(cluster, page):
     assert "Paris" in answer.locator(".text").inner_text()
     assert page.evaluate("window.__lengths.size") >= 3
     expect(answer.locator(".meta")).to_contain_text("tokens")
+    # The prefix cache's figures, as this node's /state has them once the leader's beats settle.
+    api = cluster.nodes["a1"].api
+    inst = _instance(api)
+    assert inst is not None
+
+    def shown_as_state() -> bool:
+        live = _instance(api)["live"]  # type: ignore[index]
+        rate, shown = live["prefix_hit_rate"], _figure(page, inst["instance"], "prefix")
+        # One decimal of a percentage; JS and Python may round an exact half apart.
+        if rate is None:
+            same = shown == DASH
+        else:
+            same = shown.endswith("%") and abs(float(shown.rstrip("%")) - 100 * rate) <= 0.051
+        return same and _figure(page, inst["instance"], "blocks") == str(live["prefix_blocks"])
+
+    wait_for(shown_as_state, 30, "the page showing the prefix cache as /state does")
 
 
 @pytest.mark.timeout(180)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_cluster_decisions import report
 
-from shardline.api.live import HISTORY, Histories, InstanceHistory, sample
+from shardline.api.live import HISTORY, Histories, InstanceHistory, hit_rate, sample
+from shardline.api.metrics import Metrics
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.master_state import _phase, _transitions
@@ -49,6 +51,64 @@ def test_samples_give_rates_and_the_median_first_token_wait_of_their_period():
     assert len(hs.points("x")) == HISTORY  # bounded
     hs.sample_all({}, now=1e6)
     assert hs.points("x") == []  # an instance gone takes its history with it
+
+
+def prefix_beat(queries: int, hits: int, blocks: int = 0) -> LeaderBeat:
+    return LeaderBeat(
+        seen={},
+        requests=[],
+        prefix_queries=queries,
+        prefix_hits=hits,
+        prefix_blocks=blocks,
+        prefix_block_tokens=64,
+    )
+
+
+@pytest.mark.timeout(10)
+def test_prefix_cache_totals_span_leaders_and_its_counters_never_go_back():
+    f = LeaderFigures()
+    metrics = Metrics(dict, figures=lambda: {"i": f})
+
+    def scraped() -> dict[str, tuple[str, float]]:
+        return {
+            fam.name: (fam.type, s.value)
+            for fam in text_string_to_metric_families(metrics.render().decode())
+            if fam.name.startswith("shardline_prefix_cache")
+            for s in fam.samples
+            if s.labels == {"instance": "i"}
+        }
+
+    f.take(prefix_beat(100, 40, blocks=3), generation=0)
+    f.take(prefix_beat(300, 200, blocks=5), generation=0)
+    assert scraped() == {
+        "shardline_prefix_cache_queries": ("counter", 300),
+        "shardline_prefix_cache_hits": ("counter", 200),
+        "shardline_prefix_cache_blocks": ("gauge", 5),
+    }
+    f.idle()  # recovering: the old leader's blocks went with it
+    assert f.prefix_blocks == 0 and f.prefix_block_tokens == 64
+    f.take(prefix_beat(50, 10, blocks=1), generation=1)  # a new leader counts from zero
+    f.take(prefix_beat(20, 0), generation=1)  # a beat out of order takes nothing back...
+    f.take(prefix_beat(60, 15, blocks=2), generation=1)  # ...and the next counts from the highest seen
+    assert (f.prefix_queries, f.prefix_hits) == (360, 215)
+    assert scraped() == {
+        "shardline_prefix_cache_queries": ("counter", 360),
+        "shardline_prefix_cache_hits": ("counter", 215),
+        "shardline_prefix_cache_blocks": ("gauge", 2),
+    }
+
+
+@pytest.mark.timeout(10)
+def test_samples_give_the_prefix_hit_rate_of_their_period():
+    f, h = LeaderFigures(), InstanceHistory()
+    assert sample(h, f, now=1.0, wall=1.0).prefix_hit_rate is None  # nothing looked up: no rate, not 0
+    f.take(prefix_beat(200, 50, blocks=4), 0)
+    point = sample(h, f, now=3.0, wall=3.0)
+    assert point.prefix_hit_rate == 0.25 and point.prefix_blocks == 4
+    f.take(prefix_beat(300, 140, blocks=4), 0)
+    assert sample(h, f, now=5.0, wall=5.0).prefix_hit_rate == 0.9  # 90 of the period's 100
+    assert sample(h, f, now=7.0, wall=7.0).prefix_hit_rate is None
+    assert hit_rate(0, 0) is None and hit_rate(3, 1) == 0.3333
 
 
 def _rec(phase: str, recoveries: int = 0, why: str = "") -> cm.InstanceRecord:

@@ -7,9 +7,13 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shardline.cli_support import CliError, encode_prompt, positive, stream_tokens
+from shardline.cli_support import CliError, add_prefix_cache_arg, encode_prompt, positive, stream_tokens
 from shardline.controller import settings
+
+if TYPE_CHECKING:
+    from shardline.engine.engine import EngineConfig
 
 MODEL_HELP = "model name or mlx-lm model directory (default: the built-in model)"
 JSON_HELP = "write the results to this file"
@@ -30,6 +34,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=settings.default("step_timeout"),
         help="ceiling of the step deadline in seconds (deadlines scale with each step and measured speed)",
     )
+    add_prefix_cache_arg(p)
 
 
 def resolve(model: str | None) -> Path:
@@ -38,11 +43,24 @@ def resolve(model: str | None) -> Path:
     return resolve_model(model)
 
 
+def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
+    """A local pipeline's settings from the engine flags (_add_engine_args)."""
+    from shardline.engine.engine import EngineConfig
+
+    return EngineConfig(
+        model_dir=model_dir,
+        stages=args.stages,
+        prefill_step=args.prefill_step,
+        step_timeout=args.step_timeout,
+        prefix_cache=not args.no_prefix_cache,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from shardline.compute.sampling import SamplingParams
-    from shardline.engine.engine import Engine, EngineConfig
+    from shardline.engine.engine import Engine
 
     positive(args.stages, "--stages")
     positive(args.prefill_step, "--prefill-step")
@@ -65,13 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_on_cluster(
             args, model_dir.name, ids, sampling, stops, lambda h: stream_tokens(h, tokenizer)
         )
-    config = EngineConfig(
-        model_dir=model_dir,
-        stages=args.stages,
-        prefill_step=args.prefill_step,
-        step_timeout=args.step_timeout,
-    )
-    engine = Engine(config)
+    engine = Engine(engine_config(args, model_dir))
     try:
         engine.start()
         handle = engine.submit(ids, max_tokens=args.max_tokens, sampling=sampling, stop_tokens=stops)

@@ -3,7 +3,12 @@ the other for them, so the two command modules do not form an import circle)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+PREFIX_CACHE_HELP = (
+    "prefill every prompt in full: keep no prompt KV for later requests that begin the same way"
+)
 
 
 class CliError(Exception):
@@ -14,6 +19,11 @@ def positive(value: int, name: str) -> int:
     if value < 1:
         raise CliError(f"{name} must be at least 1, got {value}")
     return value
+
+
+def add_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:
+    """--no-prefix-cache, for every command that takes instance settings (InstanceSettings.prefix_cache)."""
+    parser.add_argument("--no-prefix-cache", action="store_true", help=PREFIX_CACHE_HELP)
 
 
 def encode_prompt(tokenizer: object, prompt: str, raw: bool) -> list[int]:

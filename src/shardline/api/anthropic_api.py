@@ -70,8 +70,18 @@ class OutToolUse(BaseModel):
 
 
 class MessageUsage(BaseModel):
+    # As Anthropic counts: input_tokens are those not read from the cache; the prompt is their sum.
     input_tokens: int
     output_tokens: int
+    cache_read_input_tokens: int = 0  # prompt tokens whose KV came from the instance's prefix cache
+
+
+def _usage(o: Outcome) -> MessageUsage:
+    return MessageUsage(
+        input_tokens=o.prompt_tokens - o.cached_tokens,
+        output_tokens=o.completion_tokens,
+        cache_read_input_tokens=o.cached_tokens,
+    )
 
 
 class MessageResponse(BaseModel):
@@ -211,7 +221,7 @@ def router(service: Service) -> APIRouter:
             content=content,
             stop_reason=_stop_reason(o, calls is not None),  # type: ignore[arg-type]
             stop_sequence=o.stop_sequence,
-            usage=MessageUsage(input_tokens=o.prompt_tokens, output_tokens=o.completion_tokens),
+            usage=_usage(o),
             timings=o.timings.as_dict(),
         )
 
@@ -229,6 +239,7 @@ async def _events(run: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[by
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
+        # What is cached is known only at the end: message_delta's usage (cumulative) corrects this.
         "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0},
     }
     yield sse({"type": "message_start", "message": start}, "message_start")
@@ -285,7 +296,7 @@ async def _events(run: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[by
     delta_out = {
         "type": "message_delta",
         "delta": {"stop_reason": _stop_reason(o, stream.calls > 0), "stop_sequence": o.stop_sequence},
-        "usage": {"output_tokens": o.completion_tokens},
+        "usage": _usage(o).model_dump(),
     }
     yield sse(delta_out, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")

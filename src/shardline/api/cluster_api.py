@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from shardline.api.errors import ApiError, error_responses
 from shardline.api.hosts import is_loopback
 from shardline.api.keys import carries_key
-from shardline.api.live import LivePoint, recent_ttft
+from shardline.api.live import LivePoint, hit_rate, recent_ttft
 from shardline.api.service import Service
 from shardline.api.streaming import STREAMED_SSE, sse
 from shardline.cluster import messages as cm
@@ -43,6 +43,13 @@ class Live(BaseModel):
     instance_queued: int = 0
     tokens_per_s: float = 0.0  # over the last sample period
     ttft_s: float | None = None  # median time to first token over the last minute
+    # The prefix cache, over all its leaders as this node heard them: prompt tokens looked up and found,
+    # their ratio (None before any lookup), and the blocks cached now with the tokens each holds.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_hit_rate: float | None = None
+    prefix_blocks: int = 0
+    prefix_block_tokens: int = 0
     history: list[LivePoint] = []  # a point every few seconds, oldest first
 
 
@@ -100,6 +107,11 @@ def state_of(service: Service) -> State:
                 instance_queued=f.figures.waiting,
                 tokens_per_s=history[-1].tokens_per_s if history else 0.0,
                 ttft_s=recent_ttft(f.figures, time.monotonic()),
+                prefix_queries=f.figures.prefix_queries,
+                prefix_hits=f.figures.prefix_hits,
+                prefix_hit_rate=hit_rate(f.figures.prefix_queries, f.figures.prefix_hits),
+                prefix_blocks=f.figures.prefix_blocks,
+                prefix_block_tokens=f.figures.prefix_block_tokens,
                 history=history,
             )
         instances.append(InstanceState(**rec.model_dump(), live=live))

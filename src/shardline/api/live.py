@@ -22,12 +22,16 @@ class LivePoint(BaseModel):
     running: int
     queued: int
     ttft_s: float | None  # median of the first-token waits seen in the sample's period, if any
+    # Prompt tokens the prefix cache held / those looked up in the sample's period; None: none looked up.
+    prefix_hit_rate: float | None = None
+    prefix_blocks: int = 0
 
 
 @dataclass
 class InstanceHistory:
     points: deque[LivePoint] = field(default_factory=lambda: deque(maxlen=HISTORY))
     tokens: int | None = None
+    prefix: tuple[int, int] = (0, 0)  # the figures' prefix queries and hits at the last sample
     at: float = 0.0  # monotonic time of the last sample
 
 
@@ -38,16 +42,24 @@ def sample(h: InstanceHistory, f: LeaderFigures, now: float, wall: float) -> Liv
         rate = max(0, f.tokens - h.tokens) / (now - h.at)
     since = h.at if h.tokens is not None else now - SAMPLE_S
     waits = [s for t, s in list(f.ttfts) if t > since]
+    queries, hits = f.prefix_queries - h.prefix[0], f.prefix_hits - h.prefix[1]
     point = LivePoint(
         at=wall,
         tokens_per_s=round(rate, 2),
         running=f.running,
         queued=f.waiting,
         ttft_s=round(statistics.median(waits), 3) if waits else None,
+        prefix_hit_rate=hit_rate(queries, hits),
+        prefix_blocks=f.prefix_blocks,
     )
     h.points.append(point)
-    h.tokens, h.at = f.tokens, now
+    h.tokens, h.prefix, h.at = f.tokens, (f.prefix_queries, f.prefix_hits), now
     return point
+
+
+def hit_rate(queries: int, hits: int) -> float | None:
+    """Share of the prompt tokens looked up that the prefix cache held; None before any lookup."""
+    return round(min(1.0, hits / queries), 4) if queries > 0 else None
 
 
 def recent_ttft(f: LeaderFigures, now: float) -> float | None:

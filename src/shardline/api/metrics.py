@@ -1,7 +1,7 @@
 """Prometheus metrics of one node's API: what it served, how fast, and what the cluster went through.
 
 Counters and histograms are updated as requests run; gauges (queue depth, running requests) are read from the
-fronts when scraped, so they are never stale.
+fronts when scraped, so they are never stale, and so are the prefix cache's figures from the leaders' beats.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shardline.front.figures import LeaderFigures
 from shardline.trust import refusals
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -48,6 +49,37 @@ class _Gauges(Collector):
         )
 
 
+class _PrefixCache(Collector):
+    """Each instance's prefix cache as its leaders' beats tell every front (so every node's traffic), named
+    as vLLM's. The totals span generations (front/figures.py): a new leader's count from zero never makes a
+    counter go back."""
+
+    def __init__(self, read: Callable[[], dict[str, LeaderFigures]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        queries = CounterMetricFamily(
+            "shardline_prefix_cache_queries",
+            "prompt tokens the instance's leaders looked up in the prefix cache",
+            labels=["instance"],
+        )
+        hits = CounterMetricFamily(
+            "shardline_prefix_cache_hits",
+            "prompt tokens the instance's leaders found in the prefix cache (their KV was not computed)",
+            labels=["instance"],
+        )
+        blocks = GaugeMetricFamily(
+            "shardline_prefix_cache_blocks",
+            "blocks of prompt KV the instance's leader caches now (its last beat)",
+            labels=["instance"],
+        )
+        for instance, f in sorted(self._read().items()):
+            queries.add_metric([instance], f.prefix_queries)
+            hits.add_metric([instance], f.prefix_hits)
+            blocks.add_metric([instance], f.prefix_blocks)
+        yield from (queries, hits, blocks)
+
+
 class _Refusals(Collector):
     """What this process refused from peers (trust/refusals.py), by what and why."""
 
@@ -64,7 +96,10 @@ class _Refusals(Collector):
 
 class Metrics:
     def __init__(
-        self, gauges: Callable[[], dict[str, tuple[int, int, int]]], pending: Callable[[], int] = lambda: 0
+        self,
+        gauges: Callable[[], dict[str, tuple[int, int, int]]],
+        pending: Callable[[], int] = lambda: 0,
+        figures: Callable[[], dict[str, LeaderFigures]] = dict,
     ) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
@@ -100,6 +135,7 @@ class Metrics:
             registry=r,
         )
         r.register(_Gauges(gauges, pending))
+        r.register(_PrefixCache(figures))
         r.register(_Refusals())
 
     def render(self) -> bytes:

@@ -91,10 +91,15 @@ class CompletionRequest(Sampling):
 # ---- responses (documented in the OpenAPI spec) ------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the instance's prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class Timings(BaseModel):
@@ -326,11 +331,18 @@ def _prompt_ids(prompt: Any, text: ModelText) -> list[int]:
 # ---- formatting --------------------------------------------------------------------------------------------
 
 
-def _usage(outcomes: list[Outcome]) -> dict[str, int]:
-    """The prompt once, the completion tokens of every choice."""
+def _usage(outcomes: list[Outcome]) -> dict[str, Any]:
+    """The prompt once, the completion tokens of every choice. The prompt's cached tokens once too: the most
+    any choice found (each choice is a request of its own; one ended at a stop string never learns its)."""
     prompt = outcomes[0].prompt_tokens
     completion = sum(o.completion_tokens for o in outcomes)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = max(o.cached_tokens for o in outcomes)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _timings(outcomes: list[Outcome]) -> dict[str, float | None]:

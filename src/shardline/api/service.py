@@ -37,6 +37,7 @@ from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode
 from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
+from shardline.front.figures import LeaderFigures
 from shardline.front.front import Front
 from shardline.front.request import RequestHandle, Token
 
@@ -141,6 +142,7 @@ class Outcome:
     completion_tokens: int
     text: str
     timings: Timings
+    cached_tokens: int = 0  # of prompt_tokens, those the leader's prefix cache held (its Finished)
 
 
 @dataclass
@@ -251,6 +253,7 @@ class ActiveRequest:
             completion_tokens=self.stream.tokens,
             text=self.stream.text,
             timings=t,
+            cached_tokens=self.handle.state.cached_tokens,
         )
         self.metrics.tokens_out.labels(self.model).inc(self.stream.tokens)
         self.metrics.requests.labels(self.endpoint, "ok").inc()
@@ -273,7 +276,7 @@ class Service:
         self.models_root = models_root
         self.settings = settings
         self.node_id = node_id
-        self.metrics = Metrics(self.gauges, lambda: self.pending)
+        self.metrics = Metrics(self.gauges, lambda: self.pending, self.figures)
         self._texts: dict[str, ModelText] = {}
         self._texts_lock = threading.Lock()
         self._pending = 0
@@ -341,6 +344,10 @@ class Service:
 
     def gauges(self) -> dict[str, tuple[int, int, int]]:
         return {i: (f.waiting(), f.running(), f.leader_held) for i, f in self.client.fronts().items()}
+
+    def figures(self) -> dict[str, LeaderFigures]:
+        """Each instance's figures from its leader's beats (every node's traffic), by instance."""
+        return {i: f.figures for i, f in self.client.fronts().items()}
 
     async def text_of(self, model: str) -> ModelText:
         with self._texts_lock:
@@ -543,7 +550,7 @@ class Service:
             self._view_ready.clear()
             if time.monotonic() - sampled >= SAMPLE_S:
                 sampled = time.monotonic()
-                self.histories.sample_all({i: f.figures for i, f in self.client.fronts().items()}, sampled)
+                self.histories.sample_all(self.figures(), sampled)
                 self._broadcast("view", None)  # the sparklines move even when the cluster does not
             try:
                 view = self._views.pop()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardline.cli_support import CliError, encode_prompt, positive, stream_tokens
+from shardline.cli_support import CliError, add_prefix_cache_arg, encode_prompt, positive, stream_tokens
 from shardline.controller import settings
 
 DEFAULT_PORT = 7447
@@ -70,10 +70,9 @@ def add_credential_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_node(args: argparse.Namespace) -> int:
-    from shardline.cluster.allocator import bound_arenas
-    from shardline.cluster.node import ClusterInstanceSettings, Node, NodeConfig
-    from shardline.cluster.resources import parse_size
+def runner_settings(args: argparse.Namespace) -> Any:
+    """The instance settings `shardline node` runs its instances with: --runner-settings, then the flags."""
+    from shardline.cluster.node import ClusterInstanceSettings
 
     for value, flag in (
         (args.prefill_step, "--prefill-step"),
@@ -81,9 +80,22 @@ def cmd_node(args: argparse.Namespace) -> int:
         (args.max_batch, "--max-batch"),
     ):
         positive(value, flag)
-    runners = ClusterInstanceSettings.model_validate_json(args.runner_settings or "{}").model_copy(
-        update={"prefill_step": args.prefill_step, "max_queue": args.max_queue, "max_batch": args.max_batch}
-    )
+    update: dict[str, Any] = {
+        "prefill_step": args.prefill_step,
+        "max_queue": args.max_queue,
+        "max_batch": args.max_batch,
+    }
+    if args.no_prefix_cache:  # only when given: {"prefix_cache": false} in --runner-settings stands
+        update["prefix_cache"] = False
+    return ClusterInstanceSettings.model_validate_json(args.runner_settings or "{}").model_copy(update=update)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from shardline.cluster.allocator import bound_arenas
+    from shardline.cluster.node import Node, NodeConfig
+    from shardline.cluster.resources import parse_size
+
+    runners = runner_settings(args)
     config = NodeConfig(
         namespace=args.namespace,
         listen=args.listen,
@@ -215,7 +227,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         shutil.rmtree(tls_root, ignore_errors=True)  # a fresh CA per run: nothing old is trusted
         ca.init(tls_root, [f"node-{i}" for i in range(args.nodes)])
         creds = Credentials(creds.key, tls_root / "nodes" / "client")
-    extra = ["--models-dir", str(model_dir.parent)]
+    extra = ["--models-dir", str(model_dir.parent), *node_flags(args)]
     procs, endpoint = start_nodes(
         args.nodes, base, args.port, extra, not args.verbose, args.api_port, creds, tls_root
     )
@@ -244,6 +256,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         stop_nodes(procs)
     return 0
+
+
+def node_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of `shardline up` that each node it starts takes as its own."""
+    return ["--no-prefix-cache"] if args.no_prefix_cache else []
 
 
 def cmd_cluster_init(args: argparse.Namespace) -> int:
@@ -360,6 +377,7 @@ def add_commands(sub: Any) -> None:
         default=settings.default("max_batch"),
         help="decode positions of different requests per step (1: none)",
     )
+    add_prefix_cache_arg(node)
     node.add_argument("--runner-settings", default=None, help="JSON: deadlines, heartbeats, restart budget")
     node.add_argument("--lease-ms", type=int, default=2000, help="a node silent this long has left")
     node.add_argument(
@@ -398,6 +416,7 @@ def add_commands(sub: Any) -> None:
     )
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to be ready")
     up.add_argument("--ask", default=None, help="once ready, stream the answer to this prompt")
+    add_prefix_cache_arg(up)
     up.add_argument(
         "--tls",
         dest="make_tls",

@@ -353,6 +353,9 @@ class Front:
             if msg.reason != "cancelled" and msg.tokens > len(state.generated):
                 have = len(state.generated)
                 return f"{state.request_id} finished with {msg.tokens} tokens, the client holds {have}"
+            # A fast resume folds generated tokens into the prompt the leader sees: never more than the
+            # client's own prompt is reported as cached.
+            state.cached_tokens = min(msg.cached_tokens, len(state.prompt))
             handle._finish(msg.reason)
             self.requests.pop(state.request_id, None)
         elif isinstance(msg, m.RequestFailed):

@@ -42,6 +42,9 @@ class RequestState:
     sent_seq: int | None = None
     sent_at: float = 0.0  # monotonic, when its Submit went out
     admitted: bool = False
+    # Prompt tokens whose KV the leader took from its prefix cache, as its Finished says (0 until then, and
+    # for a request ended here, e.g. at a stop string, before the leader's end arrived).
+    cached_tokens: int = 0
 
     def spec(self, resume: str = "exact") -> m.RequestSpec:
         """What to send a leader now: prompt plus everything already streamed, so a resume continues."""

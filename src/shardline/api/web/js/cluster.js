@@ -1,5 +1,5 @@
 // The cluster as pictures: node cards, each instance's stages laid over its nodes, live figures, timeline.
-import { bytes, clock, h, layers, seconds, swap } from "./dom.js";
+import { bytes, clock, h, layers, percent, seconds, swap } from "./dom.js";
 import { sparkline } from "./spark.js";
 
 export function stageColor(k) {
@@ -111,10 +111,10 @@ function picture(inst, nodesById) {
   return h("div", { class: "picture" }, strip, h("div", { class: "boxes" }, boxes), h("p", { class: "small" }, `${total} layers in ${inst.stages.length} stage${inst.stages.length === 1 ? "" : "s"}`));
 }
 
-function figure(name, label, value, series) {
+function figure(name, label, value, series, title = null) {
   return h(
     "div",
-    { class: "figure", "data-figure": name },
+    { class: "figure", "data-figure": name, title },
     h("span", { class: "fig-label" }, label),
     h("span", { class: "fig-value", "data-role": "value" }, value),
     sparkline(series, { label }),
@@ -132,6 +132,21 @@ function figures(inst) {
     figure("running", "running", String(live.instance_running), hist.map((p) => p.running)),
     figure("queued", "queued", String(live.instance_queued), hist.map((p) => p.queued)),
     figure("ttft", "first token", seconds(live.ttft_s), hist.map((p) => p.ttft_s)),
+    // The value is over every prompt since this node first heard the instance; the line, per sample period.
+    figure(
+      "prefix",
+      "prefix cache hits",
+      percent(live.prefix_hit_rate),
+      hist.map((p) => p.prefix_hit_rate),
+      `${live.prefix_hits} of ${live.prefix_queries} prompt tokens looked up were cached`,
+    ),
+    figure(
+      "blocks",
+      "cached blocks",
+      String(live.prefix_blocks),
+      hist.map((p) => p.prefix_blocks),
+      live.prefix_block_tokens ? `${live.prefix_block_tokens} tokens each` : null,
+    ),
   );
 }
 

@@ -44,6 +44,12 @@ export function seconds(s) {
   return s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(s < 10 ? 2 : 1)} s`;
 }
 
+// A share in [0, 1] as a percentage; "–" when there is none yet (e.g. no prompt looked up).
+export function percent(x) {
+  if (x === null || x === undefined) return "–";
+  return `${(x * 100).toFixed(1)}%`;
+}
+
 // Half-open [start, end) as people count layers: "layers 0–14".
 export function layers(start, end) {
   return end - start === 1 ? `layer ${start}` : `layers ${start}–${end - 1}`;

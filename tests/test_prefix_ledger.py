@@ -29,8 +29,8 @@ def _run_prompt(ledger: PrefixLedger, rid: str, prompt: list[int], max_tokens: i
 def test_chain_keys_name_a_block_by_everything_before_it():
     a = chain_keys(list(range(12)), B)
     assert len(a) == 3
-    assert chain_keys(list(range(8)) + [99, 98], B) == a[:2]  # a partial block has no key
-    changed = chain_keys([7] + list(range(1, 12)), B)
+    assert chain_keys([*list(range(8)), 99, 98], B) == a[:2]  # a partial block has no key
+    changed = chain_keys([7, *list(range(1, 12))], B)
     assert all(x != y for x, y in zip(a, changed, strict=True))  # one token early changes every later key
 
 
@@ -38,8 +38,8 @@ def test_chain_keys_name_a_block_by_everything_before_it():
 def test_a_later_request_starts_after_the_blocks_an_earlier_one_computed():
     ledger = _ledger()
     system = list(range(100, 112))  # three whole blocks
-    assert _run_prompt(ledger, "a", system + [1, 2]) == []
-    ids = _run_prompt(ledger, "b", system + [3, 4, 5])
+    assert _run_prompt(ledger, "a", [*system, 1, 2]) == []
+    ids = _run_prompt(ledger, "b", [*system, 3, 4, 5])
     assert len(ids) == 3 and ledger.cached_tokens("b") == 12
     assert ledger.queries == 14 + 15 and ledger.hits == 12  # prompt tokens looked up, and found
     # Its own prompt is whole blocks only: the last block stays to be computed, since its step samples.
@@ -50,7 +50,7 @@ def test_a_later_request_starts_after_the_blocks_an_earlier_one_computed():
 def test_nothing_is_cached_when_the_cache_is_off():
     ledger = _ledger(enabled=False)
     _run_prompt(ledger, "a", list(range(12)))
-    assert _run_prompt(ledger, "b", list(range(12)) + [1]) == []
+    assert _run_prompt(ledger, "b", [*list(range(12)), 1]) == []
     assert not ledger.blocks and ledger.queries == 0
 
 
@@ -58,22 +58,22 @@ def test_nothing_is_cached_when_the_cache_is_off():
 def test_eviction_takes_the_least_recently_used_unheld_blocks_and_they_are_never_attached_again():
     ledger = _ledger(budget=10 * BB)
     old, new = list(range(8)), list(range(50, 58))
-    _run_prompt(ledger, "old", old + [1])
+    _run_prompt(ledger, "old", [*old, 1])
     ledger.release("old")
-    _run_prompt(ledger, "new", new + [1])
+    _run_prompt(ledger, "new", [*new, 1])
     ledger.release("new")
     assert len(ledger.blocks) == 4
     # A request of 8 blocks needs the room of 2 cached ones: the older prompt's go, deepest first.
     count, evicted = ledger.admit([8 * BB])
     assert count == 1 and len(evicted) == 2
-    assert _run_prompt(ledger, "again", old + [2]) == []  # evicted: computed anew
-    assert len(_run_prompt(ledger, "new2", new + [2])) == 2  # kept
+    assert _run_prompt(ledger, "again", [*old, 2]) == []  # evicted: computed anew
+    assert len(_run_prompt(ledger, "new2", [*new, 2])) == 2  # kept
 
 
 @pytest.mark.timeout(10)
 def test_a_held_block_is_never_evicted():
     ledger = _ledger(budget=6 * BB)
-    _run_prompt(ledger, "a", list(range(8)) + [1], max_tokens=3)  # 3 blocks reserved, 2 sealed and held
+    _run_prompt(ledger, "a", [*list(range(8)), 1], max_tokens=3)  # 3 blocks reserved, 2 sealed and held
     count, evicted = ledger.admit([4 * BB])
     assert count == 0 and evicted == []
 

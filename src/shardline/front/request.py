@@ -96,6 +96,11 @@ class RequestHandle:
         return self.state.finish_reason
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (known once the request finished)."""
+        return self.state.cached_tokens
+
+    @property
     def done(self) -> bool:
         return self._done.is_set()
 

@@ -136,9 +136,13 @@ class StageWorker:
         if cache is None and step.pos != len(step.attach) * self.block:
             raise ProtocolError(f"step at position {step.pos} for unknown request {step.request_id}")
         if cache is None and (missing := [b for b in step.attach if b not in self.store]):
-            raise ProtocolError(f"request {step.request_id} starts from blocks {missing}, which this stage lacks")
+            raise ProtocolError(
+                f"request {step.request_id} starts from blocks {missing}, which this stage lacks"
+            )
         if step.seal is not None and (step.pos % self.block or step.n != self.block):
-            raise ProtocolError(f"step at {step.pos} of {step.n} positions cannot fill one block of {self.block}")
+            raise ProtocolError(
+                f"step at {step.pos} of {step.n} positions cannot fill one block of {self.block}"
+            )
         if cache is not None and cache[0].offset != step.pos:
             raise ProtocolError(
                 f"request {step.request_id}: step at position {step.pos}, cache holds {cache[0].offset}"

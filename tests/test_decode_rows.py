@@ -10,6 +10,8 @@ import pytest
 
 from shardline.compute.shard import load_shard
 
+BLOCK = 16  # KV positions per cache block: small, so that a request's cache spans several
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -22,7 +24,7 @@ def assert_rows_equal_each_alone(shard, label: str) -> None:
     lengths = [3, 17, 40]
 
     def prefilled(n: int, seed: int) -> list:
-        cache = shard.make_cache()
+        cache = shard.make_cache(BLOCK)
         prompt = mx.random.randint(0, 200, (1, n), key=mx.random.key(seed))
         mx.eval(shard.forward(prompt, cache))
         return cache

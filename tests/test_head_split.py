@@ -7,6 +7,8 @@ import pytest
 
 from shardline.compute.shard import LayerRange, load_shard, split_layers
 
+BLOCK = 16  # KV positions per cache block: small, so that a request's cache spans several
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -20,8 +22,8 @@ def test_split_head_logits_equal_whole_model(tiny_models, arch):
     assert first.head_split == last.head_split == vocab // 2
 
     x = mx.random.randint(0, vocab, (1, 9), key=mx.random.key(3))
-    want = whole.forward(x, whole.make_cache())
-    packed = last.forward(first.forward(x, first.make_cache()), last.make_cache())
+    want = whole.forward(x, whole.make_cache(BLOCK))
+    packed = last.forward(first.forward(x, first.make_cache(BLOCK)), last.make_cache(BLOCK))
     assert packed.shape == (whole.hidden_size + vocab - vocab // 2,)
     got = first.finish_head(packed)
     assert got.shape == want.shape == (vocab,)
@@ -29,7 +31,7 @@ def test_split_head_logits_equal_whole_model(tiny_models, arch):
 
     # Batched decode rows take the same path: (rows, D + upper) -> (rows, vocab).
     rows = mx.random.normal((3, 1, whole.hidden_size), key=mx.random.key(4))
-    caches = [last.make_cache() for _ in range(3)]
+    caches = [last.make_cache(BLOCK) for _ in range(3)]
     for c in caches:  # each row continues a one-token context
         last.forward(mx.random.normal((1, 1, whole.hidden_size), key=mx.random.key(5)), c)
     assert first.finish_head(last.forward_rows(rows, caches)).shape == (3, vocab)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from conftest import FAST, STEP, assert_no_runner_left, random_prompt
 
-from shardline.engine import Engine
+from shardline.engine.engine import Engine
 
 REPLY = 6
 

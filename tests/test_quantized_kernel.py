@@ -31,6 +31,7 @@ BEST = _qmm.isa()
 SCALE_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Float32 paths: the kernels sum in another order than a plain dot product, nothing else.
 FLOAT_RTOL = 2e-6
+BLOCK = 16  # KV positions per cache block: small, so that a request's cache spans several
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +178,7 @@ def test_unsupported_formats_use_mlx_op():
 
 
 def _shard_greedy(shard: Shard, prompt: list[int], n: int) -> list[int]:
-    cache = shard.make_cache()
+    cache = shard.make_cache(BLOCK)
     logits = shard.forward(mx.array([prompt]), cache)
     tokens = []
     for _ in range(n):
@@ -327,7 +328,7 @@ def test_decode_attention_matches_mlx_on_cache_views(length):
     q = mx.random.normal((1, 1, heads * dim))
     buffer_k, buffer_v = (mx.random.normal((1, kv_heads, 512, dim)) for _ in "kv")
     keys, values = buffer_k[:, :, :length, :], buffer_v[:, :, :length, :]  # as a KVCache hands them out
-    got = _qmm.decode_attention(q, keys, values, scale)
+    got = _qmm.decode_attention(q, [keys], [values], scale)
     qh = q.reshape(1, heads, 1, dim)
     want = mx.fast.scaled_dot_product_attention(qh, keys, values, scale=scale).reshape(1, 1, -1)
     assert got.shape == (1, 1, heads * dim)

@@ -16,6 +16,7 @@ from shardline.compute.shard import LayerRange, load_shard, split_layers
 from shardline.testing.reference import QUANTIZED_LOGIT_TOLERANCE, Reference
 
 MAX_TOKENS = 8
+BLOCK = 16  # KV positions per cache block: small, so that a request's cache spans several
 
 
 def _stage_bytes(path: Path, layers: LayerRange) -> int:
@@ -40,7 +41,7 @@ def test_stages_of_a_quantized_model_compute_what_the_whole_model_does(
     # Quantized layers stay quantized (the embedding too, its as_linear is the tied head): never a float copy.
     assert "scales" in whole.embed and "scales" in whole.layers[0].mlp.up_proj
     assert whole.head_split == 0  # one stage: nothing to split
-    want = whole.forward(mx.array([prompt]), whole.make_cache())
+    want = whole.forward(mx.array([prompt]), whole.make_cache(BLOCK))
     ref = Reference(path).last_logits(prompt)
     # bfloat16 activations keep 8 bits of mantissa, rounded after different ops by the native kernel and
     # by MLX's: agreement to bfloat16's own noise over a few layers is what can be asked.
@@ -58,7 +59,7 @@ def test_stages_of_a_quantized_model_compute_what_the_whole_model_does(
             # A tied (quantized) head splits between the first and the last stage, as a float one does.
             ends = shard.range.is_first or shard.range.is_last
             assert shard.head_split == (int(config["vocab_size"]) // 2 if tied and ends else 0)
-            h = shard.forward(h, shard.make_cache())
+            h = shard.forward(h, shard.make_cache(BLOCK))
         if shards[0].head_split:
             h = shards[0].finish_head(h)
         assert mx.array_equal(h, want).item(), f"{stages} stages"

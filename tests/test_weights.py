@@ -52,6 +52,7 @@ from shardline.testing.tiny import make_tiny_model
 
 NS = "test-weights"
 SMALL_CHUNK = 4096  # tiny tensors are tens of KB: several chunks each, and a short last chunk
+BLOCK = 16  # KV positions per cache block: small, so that a request's cache spans several
 
 
 def _free_port() -> int:
@@ -125,7 +126,7 @@ def _stage_input(shard, layers: LayerRange, n: int = 5) -> mx.array:
 def _assert_same_outputs(fetched: Path, full: Path, layers: LayerRange) -> None:
     a, b = load_shard(fetched, layers), load_shard(full, layers)
     x = _stage_input(b, layers)
-    out_a, out_b = a.forward(x, a.make_cache()), b.forward(x, b.make_cache())
+    out_a, out_b = a.forward(x, a.make_cache(BLOCK)), b.forward(x, b.make_cache(BLOCK))
     assert out_a.dtype == out_b.dtype and out_a.shape == out_b.shape
     assert mx.array_equal(out_a, out_b).item(), f"stage {layers} differs from the full model's"
 

@@ -29,7 +29,8 @@ NB_MODULE(_qmm, m) {
         "scale"_a, "head_dim"_a,
         "mx.fast.rope for x laid out (B, T, heads...), position offsets[b] + t, as one CPU op (float32).");
   m.def("decode_attention", &shardline_qmm::decode_attention, "q"_a, "keys"_a, "values"_a, "scale"_a,
-        "One request's attention at one decode position, as one CPU op (float32) -> (1, 1, heads * dim).");
+        "One request's attention at one decode position over its cache's key and value segments (lists of "
+        "(1, kv_heads, length_i, head_dim), read in place), as one CPU op (float32) -> (1, 1, heads * dim).");
   m.def("add_rms_norm", &shardline_qmm::add_rms_norm, "a"_a, "b"_a, "weight"_a, "eps"_a,
         "(a + b, rms_norm(a + b) * weight) as one CPU op (float32).");
   m.def("greedy", &shardline_qmm::greedy, "logits"_a,

@@ -111,7 +111,7 @@ class StagedModel:
         chunks of `step` positions through every stage, as a prompt is prefilled."""
         from mlx_lm.models.base import create_attention_mask
 
-        caches = [s.make_cache() for s in self.shards]
+        caches = [s.make_cache(step) for s in self.shards]
         out = []
         for start in range(0, rows[1], step):
             h = mx.array([tokens[start : min(start + step, rows[1])]])

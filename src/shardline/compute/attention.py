@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from shardline.compute.fastmath import exp2_nonpositive
+from shardline.compute.paged_kv import BlockSeq
 
 # Scores per head above which the tiled path is taken; also the tile size in keys for a chunk of n queries.
 DEFAULT_SCORE_BUDGET = 256 * 1024
@@ -32,6 +33,16 @@ def score_budget(prefill_step: int) -> int:
     return max(1, prefill_step) * TILE_KEYS
 
 
+def whole(x: mx.array | BlockSeq) -> mx.array:
+    """Keys or values as one array: a paged cache's blocks joined, a contiguous cache's view as it is."""
+    return x.concat() if isinstance(x, BlockSeq) else x
+
+
+def _positions(x: mx.array | BlockSeq, start: int, stop: int) -> mx.array:
+    """Positions [start, stop) of keys or values (B, Hkv, L, D), joining only the blocks they lie in."""
+    return x.slice(start, stop) if isinstance(x, BlockSeq) else x[:, :, start:stop, :]
+
+
 def _exp_base2(x: mx.array) -> mx.array:
     return mx.exp(x * math.log(2.0))
 
@@ -42,24 +53,32 @@ def decode_queries(q: mx.array, scale: float, kv_heads: int) -> mx.array:
     return (q * scale).reshape(b, kv_heads, h // kv_heads, d)
 
 
-def decode_attention(qg: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+def decode_attention(qg: mx.array, keys: mx.array | BlockSeq, values: mx.array | BlockSeq) -> mx.array:
     """One decode position of one request on CPU: qg (1, Hkv, rep, D) from `decode_queries` over its
     cache's keys and values (1, Hkv, L, D) -> (1, Hkv, rep, D).
 
     The stock kernel falls back to the same math on CPU in about twice the ops; ops, not arithmetic, are
     what a decode position's attention costs, once per request in a batch. The lone path and the batched
-    one (`batched.decode_block`) both come here, so a request computes the same bits in either."""
-    scores = qg @ keys.swapaxes(-1, -2)
-    return mx.softmax(scores, axis=-1, precise=True) @ values
+    one (`batched.decode_block`) both come here, so a request computes the same bits in either. A paged
+    cache's blocks are joined first (the native op, `batched._native_block`, reads them where they lie)."""
+    scores = qg @ whole(keys).swapaxes(-1, -2)
+    return mx.softmax(scores, axis=-1, precise=True) @ whole(values)
 
 
 def tiled_causal_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, key_block: int, fast_exp: bool = False
+    q: mx.array,
+    k: mx.array | BlockSeq,
+    v: mx.array | BlockSeq,
+    scale: float,
+    key_block: int,
+    fast_exp: bool = False,
 ) -> mx.array:
     """Causal attention of the last n positions (q) over all L keys, walking keys in blocks.
 
-    q: (B, H, n, D); k, v: (B, Hkv, L, D) with H a multiple of Hkv (grouped-query attention). Scores are
-    kept in base 2 (log2(e) folded into the scale); `fast_exp` takes exp2 from `exp2_nonpositive`.
+    q: (B, H, n, D); k, v: (B, Hkv, L, D) with H a multiple of Hkv (grouped-query attention), as arrays
+    or as a paged cache's BlockSeq (each tile then joins only the cache blocks it spans, so no copy of the
+    whole context is ever made). Scores are kept in base 2 (log2(e) folded into the scale); `fast_exp`
+    takes exp2 from `exp2_nonpositive`.
     """
     b, h, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
@@ -72,8 +91,8 @@ def tiled_causal_attention(
     acc = mx.zeros((b, hkv, rep, n, v.shape[-1]), dtype=mx.float32)
     for start in range(0, length, key_block):
         stop = min(start + key_block, length)
-        kb = k[:, :, None, start:stop, :]
-        vb = v[:, :, None, start:stop, :]
+        kb = _positions(k, start, stop)[:, :, None]
+        vb = _positions(v, start, stop)[:, :, None]
         scores = (qg @ kb.swapaxes(-1, -2)).astype(mx.float32)
         if stop > length - n:  # only blocks reaching into the chunk itself need the causal mask
             k_pos = mx.arange(start, stop).reshape(1, -1)
@@ -104,16 +123,30 @@ class BoundedAttention:
         on_cpu = mx.default_device() == mx.cpu
         masked = mask is not None and not isinstance(mask, str)  # an explicit mask array: not causal alone
         if masked or sinks is not None or hasattr(cache, "bits"):
-            return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            return self._stock(queries, keys, values, cache, scale, mask, sinks)
         if n == 1:
             if not on_cpu or queries.shape[0] != 1:
-                return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+                return self._stock(queries, keys, values, cache, scale, mask, sinks)
             qg = decode_queries(queries, scale, keys.shape[1])
             return decode_attention(qg, keys, values).reshape(queries.shape)
         if n * length <= self.score_budget and not on_cpu:
-            return self.original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+            return self._stock(queries, keys, values, cache, scale, mask, sinks)
         key_block = max(64, self.score_budget // n)
         return tiled_causal_attention(queries, keys, values, scale, key_block, fast_exp=on_cpu)
+
+    def _stock(
+        self,
+        queries: mx.array,
+        keys: mx.array | BlockSeq,
+        values: mx.array | BlockSeq,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: Any,
+    ) -> mx.array:
+        # The stock kernel reads one array: a paged cache's blocks are joined for it.
+        k, v = whole(keys), whole(values)
+        return self.original(queries, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
 def install(model_module: ModuleType, score_budget: int = DEFAULT_SCORE_BUDGET) -> None:

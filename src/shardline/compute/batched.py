@@ -25,7 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from shardline.compute import quantized
-from shardline.compute.attention import decode_attention, decode_queries
+from shardline.compute.attention import decode_attention, decode_queries, whole
+from shardline.compute.paged_kv import PagedKV
 
 
 def decode_block(block: Any, h: mx.array, caches: list[Any]) -> mx.array:
@@ -53,7 +54,7 @@ def decode_block(block: Any, h: mx.array, caches: list[Any]) -> mx.array:
         if on_cpu:
             outs.append(decode_attention(qs[i], keys, values))  # (1, Hkv, rep, D)
         else:
-            o = mx.fast.scaled_dot_product_attention(qs[i], keys, values, scale=attn.scale)
+            o = mx.fast.scaled_dot_product_attention(qs[i], whole(keys), whole(values), scale=attn.scale)
             outs.append(o.transpose(0, 2, 1, 3))  # (1, 1, H, D)
     o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]  # either way a row's heads lie in order
     h = h + attn.o_proj(o.reshape(rows, 1, -1))
@@ -163,7 +164,11 @@ def _native_block(
     qs, ks, vs = (mx.split(t, rows, axis=0) if rows > 1 else [t] for t in (q, k, v))
     outs = []
     for i, cache in enumerate(caches):
-        keys, values = cache.update_and_fetch(ks[i], vs[i])
+        if isinstance(cache, PagedKV):  # the op reads the blocks where they lie: no join, no copy
+            cache.append(ks[i], vs[i])
+            keys, values = cache.segments()
+        else:  # a contiguous cache (mlx-lm's): one segment
+            keys, values = ([a] for a in cache.update_and_fetch(ks[i], vs[i]))
         outs.append(ops.decode_attention(qs[i], keys, values, plan.scale))  # (1, 1, heads * dim)
     o = mx.concatenate(outs, axis=0) if rows > 1 else outs[0]
     h, x = ops.add_rms_norm(h, plan.o_proj(o), post_w, post_eps)

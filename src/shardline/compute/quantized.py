@@ -64,6 +64,9 @@ def native() -> ModuleType | None:
     try:  # a module built with another nanobind ABI loads, then refuses MLX's arrays
         w = mx.zeros((1, 4), dtype=mx.uint32)
         mx.eval(module.quantized_matmul(mx.zeros((1, 32)), w, mx.ones((1, 1)), mx.zeros((1, 1)), 32, 4))
+        # ... and one built before decode attention took a paged cache's segments refuses lists.
+        seg = [mx.zeros((1, 1, 1, 4))]
+        mx.eval(module.decode_attention(mx.zeros((1, 1, 4)), seg, seg, 1.0))
     except (TypeError, RuntimeError) as exc:
         log.warning("native quantized kernel does not run here (%s); using MLX's quantized_matmul", exc)
         return None

@@ -19,6 +19,7 @@ from shardline.cluster.weights.verify import missing_tensors
 from shardline.compute import attention, quantized
 from shardline.compute.batched import DecodePlan, decode_stack
 from shardline.compute.linear import InputMajorLinear, make_input_major
+from shardline.compute.paged_kv import PagedKV
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
 
@@ -128,10 +129,18 @@ class Shard:
     def tied(self) -> bool:
         return bool(self.model.args.tie_word_embeddings)
 
-    def make_cache(self) -> list[kv_cache.KVCache]:
-        return [kv_cache.KVCache() for _ in self.layers]
+    def make_cache(
+        self, block: int, shared: list[list[tuple[mx.array, mx.array]]] | None = None
+    ) -> list[PagedKV]:
+        """A request's caches, one per layer, in blocks of `block` positions; shared[j]: the full blocks
+        layer j starts from (held by others too, never written)."""
+        if shared is None:
+            return [PagedKV(block) for _ in self.layers]
+        if len(shared) != len(self.layers):
+            raise ValueError(f"shared blocks for {len(shared)} layers, this stage has {len(self.layers)}")
+        return [PagedKV(block, blocks) for blocks in shared]
 
-    def forward(self, x: mx.array, cache: list[kv_cache.KVCache]) -> mx.array:
+    def forward(self, x: mx.array, cache: list[PagedKV] | list[kv_cache.KVCache]) -> mx.array:
         """x: token ids (1, n) on the first stage, hidden states (1, n, D) elsewhere.
 
         Returns hidden states (1, n, D), or on the last stage the logits of the final position (vocab,).
@@ -147,7 +156,9 @@ class Shard:
             return h
         return self.head(self.final_norm(h[:, -1, :]))[0]
 
-    def forward_rows(self, x: mx.array, caches: list[list[kv_cache.KVCache]]) -> mx.array:
+    def forward_rows(
+        self, x: mx.array, caches: list[list[PagedKV]] | list[list[kv_cache.KVCache]]
+    ) -> mx.array:
         """One decode position for each of several requests: x is (rows, 1) token ids on the first stage,
         (rows, 1, D) hidden states elsewhere; row i continues caches[i]. Returns (rows, 1, D), or on the last
         stage each row's logits (rows, vocab)."""

@@ -210,6 +210,7 @@ class InstanceController:
             generation=self.state.generation,
             kv_bytes_per_token=self.kv_bytes_per_token,
             kv_budget_bytes=self.kv_budget_bytes,
+            kv_block=self.config.prefill_step,
         )
 
     def _launch(self, now: float) -> None:

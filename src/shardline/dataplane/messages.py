@@ -419,6 +419,7 @@ class Serving(Wire):
     generation: int
     kv_bytes_per_token: int  # all stages together
     kv_budget_bytes: int
+    kv_block: int = 256  # positions per KV block (the prefill step): reservations are whole blocks
 
 
 class Recovering(Wire):

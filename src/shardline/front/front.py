@@ -22,7 +22,7 @@ from typing import Any
 
 import zenoh
 
-from shardline.compute.kv import reservation_bytes
+from shardline.compute.kv import KV_STEP, reservation_bytes
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Keys, Outbox
@@ -76,6 +76,7 @@ class Front:
         self._control: Outbox | None = None
         self.kv_bytes_per_token = 0
         self.kv_budget_bytes = 0
+        self.kv_block = KV_STEP
         self.failure: str | None = None
         self.closed = False
         self.serving = threading.Event()
@@ -139,7 +140,7 @@ class Front:
             if state.request_id in self.requests:
                 raise ValueError(f"request id {state.request_id!r} is already running")
             per_token, budget = self.kv_bytes_per_token, self.kv_budget_bytes
-            need = reservation_bytes(len(prompt), max_tokens, per_token)
+            need = reservation_bytes(len(prompt), max_tokens, per_token, self.kv_block)
             if budget and per_token and need > budget:
                 raise ValueError(f"request needs {need} bytes of KV cache; the instance's budget is {budget}")
             waiting = sum(1 for h in self.requests.values() if not h.state.admitted)
@@ -282,6 +283,7 @@ class Front:
                 self.generation = msg.generation
                 self.kv_bytes_per_token = msg.kv_bytes_per_token
                 self.kv_budget_bytes = msg.kv_budget_bytes
+                self.kv_block = msg.kv_block
                 for h in list(self.requests.values()):
                     if len(h.state.generated) >= h.state.max_tokens:
                         # Every token arrived; only the finish was lost with the old generation.

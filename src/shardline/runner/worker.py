@@ -218,7 +218,7 @@ class StageWorker:
         seen: dict[int, int] = {}
         for cache in list(self.caches.values()):
             for c in cache:
-                for a in c.arrays():
+                for a in c.blocks_held():
                     seen[id(a)] = a.nbytes
         for layers in list(self.store.values()):
             for k, v in layers:
@@ -230,7 +230,7 @@ class StageWorker:
         and their timings seed the step deadlines before any real step runs."""
         timings = []
         for n in sorted({1, max(1, chunk)}):
-            cache = self.shard.make_cache()
+            cache = self.shard.make_cache(self.block)
             if self.shard.range.is_first:
                 x = mx.zeros((1, n), dtype=mx.int32)
             else:
@@ -241,7 +241,7 @@ class StageWorker:
             timings.append(StepTime(n=n, context=n, seconds=time.monotonic() - started))
             if n == 1:
                 per_stage = sum(c.nbytes for c in cache)
-                self.kv_bytes_per_token = per_stage // max(1, cache[0].keys.shape[2])
+                self.kv_bytes_per_token = per_stage // cache[0].block  # one block per layer
             del cache
         self.reset_peaks()
         return timings

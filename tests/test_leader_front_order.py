@@ -31,7 +31,14 @@ class Events:
 def stub_leader() -> tuple[Leader, Events]:
     events = Events()
     spec = SimpleNamespace(
-        stages=1, layer_end=1, layer_start=0, layer_total=1, kv_budget_bytes=0, max_waiting=16, prefill_step=8
+        stages=1,
+        layer_end=1,
+        layer_start=0,
+        layer_total=1,
+        kv_budget_bytes=0,
+        max_waiting=16,
+        prefill_step=8,
+        prefix_cache=True,
     )
     runner = SimpleNamespace(
         spec=spec,
@@ -115,11 +122,11 @@ def test_no_beat_reads_a_submit_being_handled_as_lost() -> None:
 @pytest.mark.timeout(10)
 def test_no_beat_reads_a_waiting_request_being_admitted_as_lost() -> None:
     leader, events = stub_leader()
-    leader.spec.kv_budget_bytes = 10**9
+    leader.ledger.budget = 10**9
     first = m.RequestSpec(request_id="r1", prompt=[1] * 3, max_tokens=4)
     leader.handle(SimpleNamespace(message=m.Submit(front="f", seq=1, request=first)))
     # r2 waits for KV, then is admitted inside r1's release: a beat must never miss it.
-    leader.spec.kv_budget_bytes = leader.reserved["r1"]
+    leader.ledger.budget = leader.ledger.held["r1"].reserved
     second = m.RequestSpec(request_id="r2", prompt=[1] * 3, max_tokens=4)
     leader.handle(SimpleNamespace(message=m.Submit(front="f", seq=2, request=second)))
     assert [s.request_id for s in leader.waiting] == ["r2"]

@@ -263,6 +263,7 @@ class Heartbeat(Wire):
     last_step: StepTime | None = None
     peak_bytes: int = 0  # MLX peak since the runner became ready
     kv_bytes: int = 0
+    kv_cached_bytes: int = 0  # of kv_bytes, the prefix cache's blocks (each once)
     kv_peak_bytes: int = 0
     weight_bytes: int = 0
     dropped: int = 0  # frames this runner refused: unparsable, another generation, unknown request

@@ -178,6 +178,7 @@ class RunnerProcess:
             w = self.worker
             busy = self.busy
             busy_for = time.monotonic() - busy[0] if busy else 0.0
+            kv = w.kv_figures() if w else (0, 0)
             beat = m.Heartbeat(
                 stage=self.spec.stage,
                 steps=w.steps if w else 0,
@@ -189,7 +190,8 @@ class RunnerProcess:
                 busy_reserve=busy[3] if busy else 0,
                 last_step=self.last_step,
                 peak_bytes=mx.get_peak_memory(),
-                kv_bytes=w.kv_bytes() if w else 0,
+                kv_bytes=kv[0],
+                kv_cached_bytes=kv[1],
                 kv_peak_bytes=w.kv_peak_bytes if w else 0,
                 weight_bytes=self.weight_bytes,
                 dropped=self.inbox.dropped,

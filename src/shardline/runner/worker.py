@@ -215,15 +215,21 @@ class StageWorker:
 
     def kv_bytes(self) -> int:
         """The bytes of every KV block held, each once however many requests share it."""
-        seen: dict[int, int] = {}
+        return self.kv_figures()[0]
+
+    def kv_figures(self) -> tuple[int, int]:
+        """The bytes of every KV block held (each once, however many requests share it), and of those the
+        bytes of the blocks the prefix cache keeps."""
+        held: dict[int, int] = {}
         for cache in list(self.caches.values()):
             for c in cache:
                 for a in c.blocks_held():
-                    seen[id(a)] = a.nbytes
+                    held[id(a)] = a.nbytes
+        cached: dict[int, int] = {}
         for layers in list(self.store.values()):
             for k, v in layers:
-                seen[id(k)], seen[id(v)] = k.nbytes, v.nbytes
-        return sum(seen.values())
+                cached[id(k)], cached[id(v)] = k.nbytes, v.nbytes
+        return sum({**held, **cached}.values()), sum(cached.values())
 
     def warm_up(self, chunk: int, delay: Callable[[], float]) -> list[StepTime]:
         """Throwaway steps of one position and of one prefill chunk: first-touch allocation is paid here,

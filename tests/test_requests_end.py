@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import FAST, random_prompt
+from conftest import FAST, STEP, random_prompt
 
 from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
@@ -125,7 +125,7 @@ def test_recovery_with_concurrent_greedy_and_seeded_requests(tiny_models, start_
 @pytest.mark.timeout(240)
 def test_admission_keeps_kv_within_budget_and_bounds_the_queue(tiny_models, start_engine, reference):
     per_token = 6 * 2 * 2 * 16 * 4  # tiny llama: layers x (k, v) x kv heads x head dim x float32
-    big = reservation_bytes(30, 400, per_token)
+    big = reservation_bytes(30, 400, per_token, STEP)  # KV comes in blocks of one prefill chunk
     budget = 4 * big  # four long requests fill it
     engine = start_engine(tiny_models["llama"], 2, kv_budget_bytes=budget, max_queue=28, **FAST)
     long_prompts = [random_prompt(30, seed=100 + i) for i in range(4)]

@@ -21,6 +21,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 
+from shardline.compute.kv import round_up
+
 # Without a KV budget (tests, a bare runner), at most this many unused blocks stay cached.
 UNBUDGETED_BLOCKS = 512
 
@@ -78,7 +80,7 @@ class PrefixLedger:
 
     def need(self, positions: int) -> int:
         """What a request of this many positions (prompt and output) reserves without the cache."""
-        return -(-positions // self.block) * self.block_bytes
+        return round_up(positions, self.block) // self.block * self.block_bytes
 
     def used(self) -> int:
         """Bytes counted against the budget: running requests' reservations and cached blocks no running

@@ -37,8 +37,12 @@ LOAD_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 900
 LLAMA_PROMPT, LLAMA_GEN = 512, 128  # llama-bench's pp512 / tg128, and our one-stage prefill of 512 tokens
 _BARE_RUNNER = (
-    "import mlx.core as mx, mlx_lm, zenoh, shardline.runner.worker, shardline.runner.leader; "
+    "import sys, mlx.core as mx, mlx_lm, zenoh, shardline.runner.worker, shardline.runner.leader; "
     "mx.eval(mx.ones(8) + 1); "
+    # With a tokenizer.json: also the constraint engine's tokenizer, which the sampling stage loads at its
+    # first constrained request and keeps.
+    "from shardline.compute.constraints import Matchers; "
+    "len(sys.argv) > 1 and Matchers(__import__('pathlib').Path(sys.argv[1])).tokenizer(0); "
     "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0])"
 )
 
@@ -75,11 +79,13 @@ def _llama_reference(
     return LlamaCpp(gguf), gguf, ""
 
 
-def runtime_allowance_bytes() -> int:
+def runtime_allowance_bytes(tokenizer_json: Path | None = None) -> int:
     """A runner's fixed cost: the peak RSS (VmHWM) of a bare process that imported what a runner imports
-    and ran one MLX op, in the runners' environment. What a stage's weights and KV cache come on top of."""
+    and ran one MLX op, in the runners' environment, and, given the model's tokenizer.json, built the
+    constraint engine's tokenizer as the sampling stage does. What a stage's weights and KV cache come on
+    top of."""
     done = subprocess.run(
-        [sys.executable, "-c", _BARE_RUNNER],
+        [sys.executable, "-c", _BARE_RUNNER, *([str(tokenizer_json)] if tokenizer_json else [])],
         env=blas.runner_env(1),
         capture_output=True,
         text=True,
@@ -93,7 +99,12 @@ def _stage_memory(engine: Engine) -> list[dict[str, int]]:
     beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.stage)
     pids = engine.runner_pids()
     return [
-        {"peak_rss_bytes": peak_rss(pid), "weight_bytes": h.weight_bytes, "kv_peak_bytes": h.kv_peak_bytes}
+        {
+            "peak_rss_bytes": peak_rss(pid),
+            "weight_bytes": h.weight_bytes,
+            "kv_peak_bytes": h.kv_peak_bytes,
+            "constraint_tokenizer": int(h.constraint_tokenizer),
+        }
         for h, pid in zip(beats, pids, strict=True)
     ]
 
@@ -437,12 +448,16 @@ def _prefix_round(model_dir: Path, vocab: int, work: PrefixWork) -> tuple[dict, 
     return ratios, raw, mismatched
 
 
-def _memory_ratios(memory: list[dict[str, int]], allowance: int) -> list[dict[str, float]]:
-    """Each stage's peak RSS over what it needs: its weights, its KV cache at peak, the runtime allowance."""
+def _memory_ratios(
+    memory: list[dict[str, int]], allowance: int, with_tokenizer: int
+) -> list[dict[str, float]]:
+    """Each stage's peak RSS over what it needs: its weights, its KV cache at peak, the runtime allowance
+    (the one with the constraint tokenizer for the stage that loaded it)."""
     out = []
     for m in memory:
-        need = m["weight_bytes"] + m["kv_peak_bytes"] + allowance
-        out.append({**m, "runtime_allowance_bytes": allowance, "ratio": round(m["peak_rss_bytes"] / need, 3)})
+        fixed = with_tokenizer if m["constraint_tokenizer"] else allowance
+        need = m["weight_bytes"] + m["kv_peak_bytes"] + fixed
+        out.append({**m, "runtime_allowance_bytes": fixed, "ratio": round(m["peak_rss_bytes"] / need, 3)})
     return out
 
 
@@ -479,6 +494,7 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
             for k, v in raw.items():
                 raws[k].append(v)
     allowance = runtime_allowance_bytes()
+    with_tokenizer = runtime_allowance_bytes(model_dir / "tokenizer.json")
 
     mem = {}
     short, long = (256, 1024) if quick else (MEM_SHORT, MEM_LONG)
@@ -504,13 +520,15 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     result["mask_ms_p50"] = statistics.median(raws["mask_ms_p50"])
     result["mask_ms_p99"] = statistics.median(raws["mask_ms_p99"])
     result["weights_bytes_ratio_vs_gguf"] = _weights_bytes(model_dir) / gguf.stat().st_size if gguf else None
-    stage_memory = _memory_ratios(memory, allowance)
+    stage_memory = _memory_ratios(memory, allowance, with_tokenizer)
     result["peak_rss_ratio_per_stage"] = [m["ratio"] for m in stage_memory]
     result["stage_memory"] = stage_memory
     result["memory_setup"] = (
         "each stage runner's peak RSS (VmHWM, after the long prefill and the 8 streams of round 1) over its "
         "weights + its KV cache at peak + a runtime allowance: the VmHWM of a bare process that imported a "
-        f"runner's modules (mlx, mlx-lm, zenoh) and ran one MLX op, {allowance / 1e6:.0f} MB here"
+        f"runner's modules (mlx, mlx-lm, zenoh) and ran one MLX op, {allowance / 1e6:.0f} MB here; for the "
+        "stage that loaded the constraint engine's tokenizer (the sampling stage, after 8 streams under a "
+        f"JSON schema) the same process that also built it, {with_tokenizer / 1e6:.0f} MB"
     )
     result["llama_cpp"] = (
         {

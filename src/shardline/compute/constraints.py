@@ -113,6 +113,10 @@ class Matchers:
         self._prepared: dict[tuple[str, int, int], Future[np.ndarray]] = {}
         self._lock = threading.Lock()
 
+    @property
+    def loaded(self) -> bool:
+        return self._tokenizer is not None
+
     def tokenizer(self, vocab: int) -> Any:
         if self._tokenizer is None or self._vocab != vocab:
             from llguidance import LLTokenizer

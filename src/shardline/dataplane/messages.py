@@ -266,6 +266,7 @@ class Heartbeat(Wire):
     kv_cached_bytes: int = 0  # of kv_bytes, the prefix cache's blocks (each once)
     kv_peak_bytes: int = 0
     weight_bytes: int = 0
+    constraint_tokenizer: bool = False  # it loaded the constraint engine's tokenizer (a fixed cost, ~40 MB)
     dropped: int = 0  # frames this runner refused: unparsable, another generation, unknown request
     requests: int = 0
 

@@ -194,6 +194,7 @@ class RunnerProcess:
                 kv_cached_bytes=kv[1],
                 kv_peak_bytes=w.kv_peak_bytes if w else 0,
                 weight_bytes=self.weight_bytes,
+                constraint_tokenizer=bool(w and w.matchers and w.matchers.loaded),
                 dropped=self.inbox.dropped,
                 requests=len(self.leader.requests) if self.leader else len(w.caches) if w else 0,
             )

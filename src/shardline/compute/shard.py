@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from mlx_lm.utils import load_config, load_model
 
 from shardline.cluster.weights.files import SHARD_MANIFEST
 from shardline.cluster.weights.verify import missing_tensors
-from shardline.compute import attention, quantized
+from shardline.compute import attention, quantized, tensor_parallel
 from shardline.compute.batched import DecodePlan, decode_stack
 from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.compute.paged_kv import PagedKV
@@ -71,14 +72,19 @@ def check_architecture(config: dict) -> None:
 class Shard:
     """Runs chunks of one request through this stage's layers with that request's KV cache."""
 
-    def __init__(self, model: nn.Module, layers: LayerRange, config: dict) -> None:
+    def __init__(self, model: nn.Module, layers: LayerRange, config: dict, member: int = 0) -> None:
         self.model = model
         self.range = layers
         self.config = config
+        # A tensor-parallel group's member (compute/tensor_parallel.py); member 0, the face, alone embeds
+        # for the ring and computes the head: the others return the hidden states, which every member holds.
+        self.member = member
+        self.face = member == 0
         inner = model.model
-        self.embed = inner.embed_tokens if layers.is_first or (layers.is_last and self.tied) else None
+        keep_embed = layers.is_first or (layers.is_last and self.tied and self.face)
+        self.embed = getattr(inner, "embed_tokens", None) if keep_embed else None
         self.layers = list(inner.layers)
-        self.norm = inner.norm if layers.is_last else None
+        self.norm = inner.norm if layers.is_last and self.face else None
         self.hidden_size = int(config["hidden_size"])
         self.head_split = self._head_split()
         # Looked up once: finish_head runs on every sampled step of the first stage.
@@ -86,6 +92,22 @@ class Shard:
         # On CPU with the native module: each block's native ops for decode positions (batched.DecodePlan).
         self.plans = [DecodePlan.of(block) for block in self.layers]
         self.fast_decode = any(p is not None for p in self.plans)
+
+    @property
+    def emits(self) -> bool:
+        """Whether this shard's output leaves the stage: the head's logits, or hidden states for the next."""
+        return self.face
+
+    def join_group(self, reduce: tensor_parallel.Reduce) -> None:
+        """Each block's row-parallel products end in the group's sum (`reduce`), in both forward paths."""
+        for block in self.layers:
+            block.self_attn.o_proj = tensor_parallel.GroupSum(block.self_attn.o_proj, reduce)
+            block.mlp.down_proj = tensor_parallel.GroupSum(block.mlp.down_proj, reduce)
+        summed = tensor_parallel.reduced
+        self.plans = [
+            p and dataclasses.replace(p, o_proj=summed(p.o_proj, reduce), down=summed(p.down, reduce))
+            for p in self.plans
+        ]
 
     def _head_split(self) -> int:
         """Where a tied output head splits between the first and the last stage (0: it does not).
@@ -96,7 +118,7 @@ class Shard:
         prefill wants (its head is one row): the last stage computes the upper half of the logits and the
         first stage (the leader) the lower half, then samples (`finish_head`). Float and affine-quantized
         embeddings split; each logit is computed as the whole head computes it (`_head_rows`)."""
-        if self.range.is_first == self.range.is_last or not self.tied:
+        if self.range.is_first == self.range.is_last or not self.tied or not self.face:
             return 0
         embed = self.embed
         quantized_embed = isinstance(embed, nn.QuantizedEmbedding | quantized.CpuQuantizedEmbedding)
@@ -152,7 +174,7 @@ class Shard:
             mask = create_attention_mask(h, cache[0])
             for layer, c in zip(self.layers, cache, strict=True):
                 h = layer(h, mask, cache=c)
-        if not self.range.is_last:
+        if not self.range.is_last or not self.face:
             return h
         return self.head(self.final_norm(h[:, -1, :]))[0]
 
@@ -165,7 +187,7 @@ class Shard:
         h = self.embed(x) if self.range.is_first else x
         by_layer = [[c[j] for c in caches] for j in range(len(self.layers))]
         h = decode_stack(self.layers, self.plans, h, by_layer)
-        if not self.range.is_last:
+        if not self.range.is_last or not self.face:
             return h
         return self.head(self.final_norm(h[:, -1, :]))
 
@@ -211,10 +233,19 @@ def _check_partial(model: nn.Module, model_dir: Path, layers: LayerRange) -> Non
         )
 
 
-def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: int | None = None) -> Shard:
-    """Materialise only this stage's weights: everything else stays a lazy, never-read array."""
+def load_shard(
+    model_dir: Path,
+    layers: LayerRange | None = None,
+    score_budget: int | None = None,
+    member: int = 0,
+    group: int = 1,
+) -> Shard:
+    """Materialise only this stage's weights (member `member`'s share of them, in a tensor-parallel group of
+    `group`): everything else stays a lazy, never-read array."""
     config = load_config(Path(model_dir))
     check_architecture(config)
+    if group > 1:
+        tensor_parallel.check_split(config, group)
     # A stage directory fetched from a peer (cluster/weights/) holds only its own tensors, which strict
     # loading refuses; load it leniently, then require every tensor this stage keeps (_check_partial).
     partial = (Path(model_dir) / SHARD_MANIFEST).is_file()
@@ -225,10 +256,11 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
         raise ValueError(f"layer range for {layers.total} layers, model has {total}")
     inner = model.model
     inner.layers = inner.layers[layers.start : layers.end]
-    keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings)
+    face = member == 0
+    keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings and face)
     if not keep_embed:
         del inner.embed_tokens
-    if not layers.is_last:
+    if not layers.is_last or not face:
         del inner.norm
         if "lm_head" in model:
             del model.lm_head
@@ -236,10 +268,13 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
         _check_partial(model, Path(model_dir), layers)
     module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
     attention.install(module, score_budget or attention.DEFAULT_SCORE_BUDGET)
-    if mx.default_device() == mx.cpu:
-        for layer in inner.layers:  # one layer at a time: never every weight in both layouts at once
+    for layer in inner.layers:  # one layer at a time: only this member's slice is ever read in full
+        tensor_parallel.split_block(layer, member, group)
+        if mx.default_device() == mx.cpu:
             make_input_major(layer)
             make_cpu_quantized(layer)
+        mx.eval(layer.parameters())
+    if mx.default_device() == mx.cpu:
         if "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head
             model.lm_head = InputMajorLinear.of(model.lm_head)
         elif "lm_head" in model:
@@ -248,7 +283,4 @@ def load_shard(model_dir: Path, layers: LayerRange | None = None, score_budget: 
             inner.embed_tokens = cpu_quantized(inner.embed_tokens)
     mx.eval(model.parameters())
     gc.collect()
-    shard = Shard(model, layers, config)
-    if not keep_embed:
-        shard.embed = None
-    return shard
+    return Shard(model, layers, config, member)

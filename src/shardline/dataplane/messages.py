@@ -2,6 +2,7 @@
 
 Channels:
 - ring: stage r -> r+1, last -> 0 (steps, results, release, stop);
+- group: a tensor-parallel stage's face -> its members (the ring messages it obeys), and their sums;
 - control: fronts -> leader (submit, cancel, shutdown);
 - events: leader -> fronts (tokens, finishes, admissions, the leader's beat);
 - status: runners, node agents and fronts -> the instance controller (what it judges health from);
@@ -135,6 +136,24 @@ class Stop(Wire):
 
 RingMessage = Annotated[Step | StepResult | Release | Evict | Stop, Field(discriminator="kind")]
 RING = TypeAdapter(RingMessage)
+
+
+# ---- group: a tensor-parallel stage's face <-> its other members (dataplane/group.py) ------------------
+
+
+class GroupHello(Wire):
+    """A member's first frame to its face: who it is, proven with the cluster key over the face's nonce."""
+
+    kind: Literal["group_hello"] = "group_hello"
+    instance: str
+    generation: int
+    stage: int
+    member: int
+    mac: str = ""  # hex HMAC-SHA256 (empty in an open cluster)
+
+
+GroupMessage = Annotated[Step | Release | Evict | Stop | GroupHello, Field(discriminator="kind")]
+GROUP = TypeAdapter(GroupMessage)
 
 
 # ---- control: fronts -> leader -----------------------------------------------------------------------

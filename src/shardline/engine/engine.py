@@ -22,6 +22,7 @@ from pydantic import Field
 
 from shardline.cluster.keys import ClusterKeys
 from shardline.cluster.placement import footprint_from_dir, split_for_stages
+from shardline.compute import tensor_parallel
 from shardline.compute.shard import check_architecture
 from shardline.controller.controller import InstanceController, Launch
 from shardline.controller.settings import InstanceSettings
@@ -40,6 +41,8 @@ __all__ = ["ContextLengthError", "Engine", "EngineConfig", "EngineError", "Overl
 class EngineConfig(InstanceSettings):
     model_dir: Path
     stages: int = Field(2, ge=1)
+    # Runners per stage: a tensor-parallel group (compute/tensor_parallel.py) of this size, 1: none.
+    tp: int = Field(1, ge=1)
     window: int = Field(0, ge=0)
     # KV bytes the leader may reserve for admitted requests (0: half the memory available at start); requests
     # beyond it wait, up to max_queue of them, and one more is refused with OverloadError.
@@ -57,8 +60,13 @@ class EngineConfig(InstanceSettings):
     # fast: one prefill of prompt + emitted (fewer steps; a near tie can flip). `bench resume` measures both.
     resume: Literal["exact", "fast"] = "exact"
 
+    @property
+    def runners(self) -> int:
+        return self.stages * self.tp
+
     def controller(self) -> ControllerConfig:
-        return ControllerConfig.of(self, self.stages)
+        # The controller watches runners: a stage's group members are judged like stages of their own.
+        return ControllerConfig.of(self, self.runners)
 
 
 def _free_port(host: str) -> int:
@@ -94,6 +102,10 @@ class Engine:
         self.config = config
         self.model_config = read_model_config(config.model_dir)
         self.layers = int(self.model_config.get("num_hidden_layers") or 0)
+        try:
+            tensor_parallel.check_split(self.model_config, config.tp)
+        except tensor_parallel.GroupSumError as exc:
+            raise EngineError(f"cannot split {config.model_dir.name} for --tp {config.tp}: {exc}") from exc
         # Before anything is opened: a model whose weight files are unreadable fails here, and leaves nothing.
         self._ranges = (
             _stage_ranges(config.model_dir, config.stages) if 1 <= config.stages <= self.layers else []
@@ -138,12 +150,21 @@ class Engine:
         """Every stage on this machine's agent, the layers split by placement's cost model (the head's stage
         gets fewer), so that equal cores take about equally long."""
         launches = []
+        stages = len(self._ranges)
         for stage, (start, end) in enumerate(self._ranges):
             spec, threads = self._spec_for(generation, stage, start, end)
             launches.append((agent_key, m.StartRunner(spec=spec, threads=threads)))
+        for stage, (start, end) in enumerate(self._ranges):  # the groups' other members, after the faces
+            for member in range(1, self.config.tp):
+                slot = stages + stage * (self.config.tp - 1) + member - 1
+                spec, threads = self._spec_for(generation, slot, start, end, member, stage)
+                launches.append((agent_key, m.StartRunner(spec=spec, threads=threads)))
         return launches
 
-    def _spec_for(self, generation: int, stage: int, start: int, end: int) -> tuple[RunnerSpec, int]:
+    def _spec_for(
+        self, generation: int, stage: int, start: int, end: int, member: int = 0, position: int | None = None
+    ) -> tuple[RunnerSpec, int]:
+        """Runner `stage` (a slot: a face's is its ring stage, a member's `position` is)."""
         cfg = self.config
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
         inject = cfg.faults if (generation == 0 or cfg.faults_every_generation) else {}
@@ -152,6 +173,9 @@ class Engine:
             generation=generation,
             stage=stage,
             stages=cfg.stages,
+            group=cfg.tp,
+            member=member,
+            position=position,
             model_dir=str(cfg.model_dir),
             layer_start=start,
             layer_end=end,
@@ -165,7 +189,7 @@ class Engine:
             fault=inject.get(stage),
             **cfg.settings_fields(),
         )
-        return spec, 1 if cfg.pin_cpus else max(1, len(cpus) // cfg.stages)
+        return spec, 1 if cfg.pin_cpus else max(1, len(cpus) // cfg.runners)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 

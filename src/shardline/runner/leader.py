@@ -71,7 +71,9 @@ class Leader:
         self.row_costs = RowCosts.for_stages(self.spec.stages)
         self.batch_rates = BatchRates()
         own_layers = self.spec.layer_end - self.spec.layer_start
-        self.kv_bytes_per_token = self.worker.kv_bytes_per_token * self.spec.layer_total // own_layers
+        # Its own share of its heads' KV, for the whole model: every stage's groups split the heads alike.
+        per_layer = self.worker.kv_bytes_per_token * self.spec.group // own_layers
+        self.kv_bytes_per_token = per_layer * self.spec.layer_total
         # KV reservations and the prefix cache, in blocks of one prefill chunk (the stages' KV blocks).
         block = self.spec.prefill_step
         self.ledger = PrefixLedger(
@@ -224,6 +226,7 @@ class Leader:
         if isinstance(msg, m.Rejoin):
             raise RejoinRequested(msg.spec)
         elif isinstance(msg, m.Shutdown):
+            self.r.stop_group()
             if self.r.downstream is not None:
                 self.r.downstream.send(m.Stop())
             raise StopRunner

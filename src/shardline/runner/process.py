@@ -19,7 +19,8 @@ import mlx.core as mx
 from shardline.compute import attention
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
-from shardline.dataplane.frame import FrameError
+from shardline.dataplane.frame import FrameError, to_mlx
+from shardline.dataplane.group import GroupFace, GroupMember
 from shardline.dataplane.transport import (
     DeadlineExceeded,
     Inbox,
@@ -66,10 +67,12 @@ class RunnerProcess:
         self.last_step: m.StepTime | None = None
         self.phase: str = "loading"
         self.weight_bytes = 0
+        self.group = None
 
     def _inbox(self, spec: RunnerSpec) -> Inbox:
         inbox = Inbox(self.session, spec.generation, name=f"stage {spec.stage}")
-        inbox.subscribe(self.keys.ring(spec.stage), m.RING, "ring")
+        if spec.is_face:  # a group's other members hear the ring through their face
+            inbox.subscribe(self.keys.ring(spec.ring), m.RING, "ring")
         self.received: dict[str, int] = {}  # front -> newest control seq that reached this generation
         if spec.is_leader:
             inbox.subscribe(self.keys.control, m.CONTROL, "control")
@@ -106,10 +109,12 @@ class RunnerProcess:
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
         # Attention scratch per head: one chunk attending to TILE_KEYS keys, at any context length.
         budget = spec.score_budget or attention.score_budget(spec.prefill_step)
-        shard = load_shard(Path(spec.model_dir), layers, budget)
+        shard = load_shard(Path(spec.model_dir), layers, budget, spec.member, spec.group)
         self.worker = StageWorker(shard, Path(spec.model_dir), block=spec.prefill_step)
         self.weight_bytes = shard.weight_bytes()
         self.speed.attn_keys = 6 * shard.hidden_size
+        if spec.group > 1:
+            self._join_group(shard)
         self.faults.maybe_fire("warmup", 0)
         warmup = self.worker.warm_up(
             min(spec.prefill_step, WARMUP_CHUNK_MAX), lambda: self.faults.slow_s("warmup", 0)
@@ -117,6 +122,24 @@ class RunnerProcess:
         for t in warmup:
             self.speed.observe(t.n, t.context, t.seconds)
         self._link(warmup)
+
+    def _join_group(self, shard: Any) -> None:
+        """Meet the stage's other members (bring-up, with the load deadline); every sum of the warm-up and
+        of each step goes through them."""
+        spec = self.spec
+        key = Credentials.from_env().key
+        if spec.is_face:
+            face = GroupFace(self.session, self.keys, spec.ring, spec.group, spec.listen, key)
+            face.admit(spec.load_timeout, abort=self._abort_wait)
+            assert self.worker is not None
+            self.worker.mirror = lambda msg, x=None: face.forward(msg, x, face.deadline_s)
+            self.group: GroupFace | GroupMember | None = face
+        else:
+            self.group = GroupMember(
+                self.session, self.keys, spec.ring, spec.member, key, spec.load_timeout, self._abort_wait
+            )
+        shard.join_group(self.group.reduce)
+        self.group.begin(-1, self.policy.ceiling)  # the warm-up: not measured yet, err long
 
     def rejoin(self, spec: RunnerSpec) -> None:
         """Serve a newer generation with the weights already loaded: new keys, no KV, a fresh warm-up."""
@@ -142,7 +165,7 @@ class RunnerProcess:
         """Links to the next stage (and, on the leader, to the fronts), the ring warmed, then Ready."""
         spec = self.spec
         assert self.worker is not None
-        if spec.stages > 1:
+        if spec.stages > 1 and spec.is_face:
             self.downstream = Outbox(
                 self.session, self.keys.ring(spec.next_stage), spec.generation, on_lost=self._peer_lost
             )
@@ -214,8 +237,15 @@ class RunnerProcess:
     def serve(self) -> None:
         if self.leader is not None:
             self.leader.serve()
+        elif isinstance(self.group, GroupMember):
+            self.serve_member(self.group)
         else:
             self.serve_follower()
+
+    def stop_group(self) -> None:
+        """The ring stops: so do this face's members (the same message, in order)."""
+        if isinstance(self.group, GroupFace):
+            self.group.forward(m.Stop(), None, self.policy.floor)
 
     def die(self, reason: str, message: str) -> None:
         print(
@@ -235,6 +265,8 @@ class RunnerProcess:
         started = time.monotonic()
         self.busy = (started, step.n, context, step.reserve)
         phase = step_phase(step)
+        if self.group is not None:  # the step's sums wait at most its deadline
+            self.group.begin(step.seq, self.policy.step(self.speed, step.n, context, step.reserve))
         try:
             self.faults.maybe_fire(phase, self.worker.steps)
             out, tensor = self.worker.run(step, x)
@@ -274,6 +306,7 @@ class RunnerProcess:
                 if not self.spec.is_last:
                     self.downstream.send(msg)
             elif isinstance(msg, m.Stop):
+                self.stop_group()
                 if not self.spec.is_last:
                     self.downstream.send(msg)
                 raise StopRunner
@@ -281,6 +314,25 @@ class RunnerProcess:
                 raise RejoinRequested(msg.spec)
             else:
                 self.inbox.drop(f"stage {self.spec.stage} does not take {msg.kind} messages")
+
+    def serve_member(self, group: GroupMember) -> None:
+        """A group member: what its face obeys, in the face's order. The face checked each step against the
+        same state: a step that does not fit here means the two diverged, which nothing can mend."""
+        assert self.worker is not None
+        while True:
+            msg, payload = group.next_message()
+            if isinstance(msg, m.Step):
+                if payload is None or msg.tensor is None:
+                    raise ProtocolError("step without its input")
+                self.compute(msg, to_mlx(payload, msg.tensor.dtype))
+            elif isinstance(msg, m.Release):
+                self.worker.release(msg.request_id)
+            elif isinstance(msg, m.Evict):
+                self.worker.evict(msg.blocks)
+            elif isinstance(msg, m.Stop):
+                raise StopRunner
+            else:
+                raise ProtocolError(f"a group member does not take {msg.kind} messages")
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -28,7 +28,13 @@ class Fault(BaseModel):
 
 
 class RunnerSpec(InstanceSettings):
-    """One stage of one instance generation, and the settings it runs under (InstanceSettings' fields)."""
+    """One stage of one instance generation, and the settings it runs under (InstanceSettings' fields).
+
+    A stage may be a tensor-parallel group of `group` runners: member 0 (the face) is the stage's place in
+    the ring, the others follow their face (dataplane/group.py). `stage` names the runner among its
+    instance's runners (its status key, its log, its node agent's record): the ring stage for a face, a slot
+    past the ring's stages for another member, whose ring stage is then `position`.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -50,6 +56,9 @@ class RunnerSpec(InstanceSettings):
     window: int = 0  # steps in flight around the ring; 0 = stages + 1
     score_budget: int = 0  # 0 = compute.attention default
     kv_budget_bytes: int = 0  # the leader admits requests while their KV reservations fit; 0 = no limit
+    group: int = 1  # runners in this stage's tensor-parallel group
+    member: int = 0  # this runner's place in it (0: the face)
+    position: int | None = None  # the ring stage, where `stage` is a member's slot
     cpu: int | None = None
     parent_pid: int | None = None
     fault: Fault | None = None
@@ -60,16 +69,25 @@ class RunnerSpec(InstanceSettings):
         return self.max_queue + 16
 
     @property
+    def ring(self) -> int:
+        """This runner's stage in the ring."""
+        return self.stage if self.position is None else self.position
+
+    @property
+    def is_face(self) -> bool:
+        return self.member == 0
+
+    @property
     def is_leader(self) -> bool:
-        return self.stage == 0
+        return self.ring == 0 and self.is_face
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.stages - 1
+        return self.ring == self.stages - 1
 
     @property
     def next_stage(self) -> int:
-        return (self.stage + 1) % self.stages
+        return (self.ring + 1) % self.stages
 
     @property
     def in_flight_window(self) -> int:

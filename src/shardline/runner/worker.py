@@ -12,7 +12,7 @@ from shardline.compute.constraints import Constraint, Matchers
 from shardline.compute.sampling import SamplingParams, sample, sample_many
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.messages import RowResult, Step, StepResult, StepTime
+from shardline.dataplane.messages import Evict, Release, RowResult, Step, StepResult, StepTime
 
 WARMUP_ID = "\x00warmup"  # the ring warm-up's request: no front sends control characters
 
@@ -99,15 +99,20 @@ class StageWorker:
         # the same arrays the request that computed them holds (runner/prefix.py decides).
         self.store: dict[int, list[tuple[mx.array, mx.array]]] = {}
         # Constraint matchers, on the stage that samples (the last, or the first with a split head).
-        samples = shard.range.is_last != bool(shard.head_split)
+        samples = shard.face and shard.range.is_last != bool(shard.head_split)
         tokenizer = model_dir / "tokenizer.json" if model_dir is not None else None
         self.matchers = Matchers(tokenizer) if samples else None
         self.vocab = int(shard.config.get("vocab_size") or 0)
         self.steps = 0
         self.kv_peak_bytes = 0
         self.kv_bytes_per_token = 0
+        # A tensor-parallel face's members (dataplane/group.py): every message this stage obeys goes to them
+        # first, in the same order, so their caches follow the face's.
+        self.mirror: Callable[..., None] | None = None
 
     def release(self, request_id: str) -> None:
+        if self.mirror is not None:
+            self.mirror(Release(request_id=request_id))
         self.caches.pop(request_id, None)
         if self.matchers is not None:
             self.matchers.release(request_id)
@@ -115,6 +120,8 @@ class StageWorker:
             self.reset_peaks()  # peaks from here on are what real requests cost
 
     def evict(self, blocks: list[int]) -> None:
+        if self.mirror is not None:
+            self.mirror(Evict(blocks=blocks))
         for b in blocks:
             self.store.pop(b, None)
 
@@ -171,6 +178,8 @@ class StageWorker:
         if step.rows:
             return self._run_rows(step, x)
         self.check(step, x)
+        if self.mirror is not None:
+            self.mirror(step, x)
         self._prepare(step)
         cache = self.caches.get(step.request_id)
         if cache is None:
@@ -186,6 +195,8 @@ class StageWorker:
 
     def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
         self._check_rows(step, x)
+        if self.mirror is not None:
+            self.mirror(step, x)
         self._prepare(step)
         y = self.shard.forward_rows(x, [self.caches[r.request_id] for r in step.rows])
         mx.eval(y)
@@ -200,6 +211,8 @@ class StageWorker:
     def _done(self, step: Step, y: mx.array) -> tuple[Step | StepResult, mx.array | None]:
         self.steps += 1
         self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_bytes())
+        if not self.shard.emits:  # a group member: its face sends the stage's output
+            return step, None
         if not self.shard.range.is_last:
             return step.model_copy(update={"tensor": tensor_meta(y)}), y
         if not step.sample:

@@ -1,0 +1,116 @@
+"""Tensor parallelism inside a stage: member r of a group of k holds 1/k of each layer.
+
+As in Megatron: every member holds heads [r*H/k, (r+1)*H/k) of attention (KV heads too, so each member's KV
+cache holds only its heads) and columns [r*I/k, (r+1)*I/k) of the MLP's intermediate size. q/k/v and
+gate/up are split by output rows (column-parallel), the attention output and the MLP's down projection by
+input columns (row-parallel): each member's product is a partial sum of the full one, and the group adds
+the partials (`GroupSum`) twice a layer. Norms and rope run whole on every member. A bias of a row-parallel
+product is added once, by member 0.
+
+Slicing happens on mlx-lm's modules as loaded (float or affine-quantized), before any CPU layout change,
+so each member materialises only its own slice of every weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+Reduce = Callable[[mx.array], mx.array]
+
+
+class GroupSumError(ValueError):
+    """A model that cannot be split this many ways (heads or columns that do not divide)."""
+
+
+def _quantized(linear: Any) -> bool:
+    return "scales" in linear
+
+
+def _rows(linear: Any, start: int, stop: int) -> None:
+    """Keep output rows [start, stop) of a linear layer (float or affine-quantized)."""
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in linear:
+            linear[name] = linear[name][start:stop]
+
+
+def _columns(linear: Any, start: int, stop: int, keep_bias: bool) -> None:
+    """Keep input columns [start, stop) of a linear layer; its bias only where keep_bias (added once)."""
+    if _quantized(linear):
+        per_word = 32 // linear.bits
+        gs = linear.group_size
+        if start % gs or stop % gs or start % per_word:
+            raise GroupSumError(f"columns [{start}, {stop}) split quantization groups of {gs}")
+        linear["weight"] = linear["weight"][:, start // per_word : stop // per_word]
+        linear["scales"] = linear["scales"][:, start // gs : stop // gs]
+        if "biases" in linear:
+            linear["biases"] = linear["biases"][:, start // gs : stop // gs]
+    else:
+        linear["weight"] = linear["weight"][:, start:stop]
+    if "bias" in linear and not keep_bias:
+        linear.pop("bias")
+
+
+def check_split(config: dict, size: int) -> None:
+    """Raise GroupSumError unless a model of this config splits `size` ways."""
+    if size == 1:
+        return
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    inter = int(config["intermediate_size"])
+    for what, n in (("attention heads", heads), ("KV heads", kv_heads), ("MLP columns", inter)):
+        if n % size:
+            raise GroupSumError(f"{n} {what} do not split into {size} equal parts")
+    group = int((config.get("quantization") or {}).get("group_size") or 0)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    for what, n in (("attention output", heads // size * head_dim), ("MLP", inter // size)):
+        if group and n % group:
+            raise GroupSumError(f"a member's {n} {what} inputs split quantization groups of {group}")
+
+
+def split_block(block: Any, rank: int, size: int) -> None:
+    """Keep member `rank`'s share of a transformer block (in place), of a group of `size`."""
+    if size == 1:
+        return
+    attn, mlp = block.self_attn, block.mlp
+    heads, kv_heads = attn.n_heads, attn.n_kv_heads
+    if heads % size or kv_heads % size:
+        raise GroupSumError(f"{heads} heads and {kv_heads} KV heads do not split into {size}")
+    dim = int(attn.q_proj["weight"].shape[0]) // heads
+    hq, hkv = heads // size, kv_heads // size
+    _rows(attn.q_proj, rank * hq * dim, (rank + 1) * hq * dim)
+    _rows(attn.k_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
+    _rows(attn.v_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
+    _columns(attn.o_proj, rank * hq * dim, (rank + 1) * hq * dim, keep_bias=rank == 0)
+    attn.n_heads, attn.n_kv_heads = hq, hkv
+    inter = int(mlp.gate_proj["weight"].shape[0])
+    if inter % size:
+        raise GroupSumError(f"{inter} MLP columns do not split into {size}")
+    part = inter // size
+    _rows(mlp.gate_proj, rank * part, (rank + 1) * part)
+    _rows(mlp.up_proj, rank * part, (rank + 1) * part)
+    _columns(mlp.down_proj, rank * part, (rank + 1) * part, keep_bias=rank == 0)
+
+
+class GroupSum(nn.Module):
+    """A row-parallel product followed by the group's sum: what every member gets is the whole product."""
+
+    def __init__(self, inner: Any, reduce: Reduce) -> None:
+        super().__init__()
+        self.inner = inner
+        self._reduce = reduce
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._reduce(self.inner(x))
+
+
+def reduced(fn: Callable[[mx.array], mx.array], reduce: Reduce) -> Callable[[mx.array], mx.array]:
+    """A native plan's row-parallel product followed by the group's sum."""
+
+    def call(x: mx.array) -> mx.array:
+        return reduce(fn(x))
+
+    return call

@@ -1,0 +1,341 @@
+"""A tensor-parallel stage's link: its face (member 0) and each other member, one TCP stream each.
+
+Star-shaped: members connect to the face, which they find by a zenoh query on the stage's group key (the
+face answers with its address). On each stream, in order, the face sends every ring message it obeys (steps
+with their input, releases, evictions, stop) and, inside a step, the group's sums; a member sends its
+partial sums. Each sum is tagged with its step and its index within the step, and checked.
+
+The face adds the partials in member order, ((p0 + p1) + p2) + ..., and returns that total to every
+member: every member holds the same bits, and a run is reproducible. Every wait has the step's deadline
+(work-scaled, as every step's): a member that is stopped, killed or cut off is named within it
+(DeadlineExceeded, or TransportError when its stream breaks) and the stage fails like any other. Idle waits
+(a member between steps) have none; a face that vanishes breaks the stream.
+
+A member proves itself with an HMAC of the face's nonce under the cluster key (when there is one), so a
+process that is not one of the group's members cannot join it or feed it sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import zenoh
+
+from shardline.dataplane import frame
+from shardline.dataplane import messages as m
+from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
+
+_KIND = struct.Struct("<B")
+_MESSAGE = struct.Struct("<Q")  # frame length
+_SUM = struct.Struct("<qiQ")  # step seq, index within the step, payload bytes
+MESSAGE, SUM = 0, 1
+NONCE_BYTES = 16
+MAX_FRAME = 1 << 34  # far above any step's input, below what a length field could claim to wedge us
+
+
+def group_key(keys: Keys, stage: int) -> str:
+    return f"{keys.root}/group/{stage}"
+
+
+def _mac(key: str | None, nonce: bytes, hello: m.GroupHello) -> str:
+    if key is None:
+        return ""
+    ident = f"{hello.instance}/{hello.generation}/{hello.stage}/{hello.member}".encode()
+    return hmac.new(key.encode(), nonce + ident, hashlib.sha256).hexdigest()
+
+
+class _Stream:
+    """One TCP stream with framed writes and deadline-bounded reads."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.peer = peer
+
+    def _timeout(self, deadline: float | None, what: str) -> None:
+        if deadline is None:
+            self.sock.settimeout(None)
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"{self.peer}: {what} not done within its deadline")
+        self.sock.settimeout(left)
+
+    def send(self, parts: list[Any], deadline: float | None, what: str) -> None:
+        data = b"".join(bytes(p) if not isinstance(p, bytes) else p for p in parts)
+        view = memoryview(data)
+        try:
+            while view:
+                self._timeout(deadline, what)
+                sent = self.sock.send(view)
+                view = view[sent:]
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{self.peer} took nothing while {what}: stopped or cut off") from exc
+        except OSError as exc:
+            raise TransportError(f"{self.peer}: link broken while {what}: {exc}") from exc
+
+    def read(self, n: int, deadline: float | None, what: str) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < n:
+                self._timeout(deadline, what)
+                k = self.sock.recv_into(view[got:])
+                if k == 0:
+                    raise TransportError(f"{self.peer} closed the group link while {what}")
+                got += k
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{self.peer} sent nothing while {what}: stopped or cut off") from exc
+        except OSError as exc:
+            if isinstance(exc, TransportError | DeadlineExceeded):
+                raise
+            raise TransportError(f"{self.peer}: link broken while {what}: {exc}") from exc
+        return buf
+
+    def send_message(self, msg: Any, tensor: Any, generation: int, deadline: float | None) -> None:
+        data = frame.encode(msg, tensor, generation)
+        self.send([_KIND.pack(MESSAGE), _MESSAGE.pack(len(data)), data], deadline, f"sending {msg.kind}")
+
+    def send_sum(self, seq: int, index: int, x: np.ndarray, deadline: float) -> None:
+        payload = memoryview(np.ascontiguousarray(x, dtype=np.float32)).cast("B")
+        head = _KIND.pack(SUM) + _SUM.pack(seq, index, payload.nbytes)
+        self.send([head, payload], deadline, f"sending sum {index} of step {seq}")
+
+    def read_kind(self, deadline: float | None, what: str) -> int:
+        return _KIND.unpack(self.read(_KIND.size, deadline, what))[0]
+
+    def read_message(self, deadline: float | None) -> tuple[Any, np.ndarray | None]:
+        (n,) = _MESSAGE.unpack(self.read(_MESSAGE.size, deadline, "reading a message"))
+        if n > MAX_FRAME:
+            raise frame.FrameError(f"group frame of {n} bytes")
+        return frame.decode(bytes(self.read(n, deadline, "reading a message")), m.GROUP)
+
+    def read_sum(self, seq: int, index: int, like: np.ndarray, deadline: float) -> np.ndarray:
+        what = f"waiting for sum {index} of step {seq}"
+        if (kind := self.read_kind(deadline, what)) != SUM:
+            raise frame.FrameError(f"{self.peer}: a frame of kind {kind} where sum {index} of {seq} was due")
+        got_seq, got_index, n = _SUM.unpack(self.read(_SUM.size, deadline, what))
+        if (got_seq, got_index) != (seq, index) or n != like.nbytes:
+            raise frame.FrameError(
+                f"{self.peer}: sum {got_index} of step {got_seq} ({n} bytes) where sum {index} of step {seq} "
+                f"({like.nbytes} bytes) was due"
+            )
+        return np.frombuffer(self.read(n, deadline, what), dtype=np.float32).reshape(like.shape)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class _Sums:
+    """The part face and members share: the current step's tag, deadline and sum counter, and timings."""
+
+    def __init__(self) -> None:
+        self.seq = -1
+        self.index = 0
+        self.deadline_s = 60.0
+        self.deadline = 0.0
+        # Per sum, this process's wall time inside reduce, the latest ones (`bench tp` reports them).
+        self.timings_us: deque[float] = deque(maxlen=1 << 16)
+
+    def begin(self, seq: int, deadline_s: float) -> None:
+        """A step starts: its sums are tagged with seq, each waits at most deadline_s from now."""
+        self.seq, self.index = seq, 0
+        self.deadline_s = deadline_s
+        self.deadline = time.monotonic() + deadline_s
+
+    def _next(self) -> int:
+        index, self.index = self.index, self.index + 1
+        return index
+
+
+def _host_of(listen: list[str]) -> str:
+    """The address this runner's zenoh listens on (its node's): where its members can reach it."""
+    for endpoint in listen:
+        proto, _, rest = endpoint.partition("/")
+        if proto in ("tcp", "tls"):
+            host = rest.rsplit(":", 1)[0].strip("[]")
+            return host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    return "127.0.0.1"
+
+
+class GroupFace(_Sums):
+    """Member 0: listens, admits its members, forwards what it obeys, adds the partials."""
+
+    def __init__(
+        self,
+        session: zenoh.Session,
+        keys: Keys,
+        stage: int,
+        size: int,
+        listen: list[str],
+        key: str | None,
+    ) -> None:
+        super().__init__()
+        self.keys, self.stage, self.size, self.key = keys, stage, size, key
+        self.server = socket.create_server((_host_of(listen), 0))
+        host, port = self.server.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self.members: list[_Stream] = []
+        self.refused = 0
+        self._queryable = session.declare_queryable(group_key(keys, stage), self._on_query)
+
+    def _on_query(self, query: zenoh.Query) -> None:
+        try:
+            query.reply(query.key_expr, self.address.encode())
+        except zenoh.ZError:
+            pass
+
+    def admit(self, timeout: float, abort: Callable[[], None] = lambda: None) -> None:
+        """Wait (bring-up, with a deadline) until every member connected and proved who it is."""
+        deadline = time.monotonic() + timeout
+        found: dict[int, _Stream] = {}
+        self.server.settimeout(0.2)
+        while len(found) < self.size - 1:
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(1, self.size)) - set(found))
+                raise DeadlineExceeded(f"group of stage {self.stage}: members {missing} never joined")
+            abort()
+            try:
+                sock, addr = self.server.accept()
+            except TimeoutError:
+                continue
+            stream = _Stream(sock, f"member at {addr[0]}:{addr[1]}")
+            try:
+                member = self._handshake(stream, min(deadline, time.monotonic() + 10.0))
+            except (TransportError, DeadlineExceeded, frame.FrameError, ValueError):
+                self.refused += 1
+                stream.close()
+                continue
+            if member in found:
+                self.refused += 1
+                stream.close()
+                continue
+            stream.peer = f"stage {self.stage} member {member}"
+            found[member] = stream
+        self.members = [found[j] for j in range(1, self.size)]
+        self._queryable.undeclare()
+
+    def _handshake(self, stream: _Stream, deadline: float) -> int:
+        nonce = os.urandom(NONCE_BYTES)
+        stream.send([nonce], deadline, "greeting")
+        if stream.read_kind(deadline, "waiting for a hello") != MESSAGE:
+            raise ValueError("no hello")
+        hello, _ = stream.read_message(deadline)
+        if not isinstance(hello, m.GroupHello):
+            raise ValueError(f"{hello.kind} before hello")
+        ok = (
+            hello.instance == self.keys.instance
+            and hello.generation == self.keys.generation
+            and hello.stage == self.stage
+            and 1 <= hello.member < self.size
+            and hmac.compare_digest(hello.mac, _mac(self.key, nonce, hello))
+        )
+        if not ok:
+            raise ValueError("hello refused")
+        return hello.member
+
+    def forward(self, msg: Any, tensor: Any = None, deadline_s: float | None = None) -> None:
+        """Send one message the face obeys to every member, before the face computes it."""
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        x = None if tensor is None else (tensor if isinstance(tensor, mx.array) else mx.array(tensor))
+        if x is not None:
+            msg = msg.model_copy(update={"tensor": frame.tensor_meta(x)})
+        for s in self.members:
+            s.send_message(msg, x, self.keys.generation, deadline)
+
+    def reduce(self, x: mx.array) -> mx.array:
+        started = time.perf_counter()
+        index = self._next()
+        mx.eval(x)
+        total = np.array(x if x.dtype == mx.float32 else x.astype(mx.float32))  # a copy: it is added to
+        for s in self.members:  # member order: the same bits on every run
+            total += s.read_sum(self.seq, index, total, self.deadline)
+        for s in self.members:
+            s.send_sum(self.seq, index, total, self.deadline)
+        out = mx.array(total).astype(x.dtype)
+        self.timings_us.append((time.perf_counter() - started) * 1e6)
+        return out
+
+    def close(self) -> None:
+        try:
+            self._queryable.undeclare()
+        except zenoh.ZError:
+            pass
+        for s in self.members:
+            s.close()
+        self.server.close()
+
+
+class GroupMember(_Sums):
+    """Member j > 0: finds its face, joins, obeys what it forwards, sends its partials."""
+
+    def __init__(
+        self,
+        session: zenoh.Session,
+        keys: Keys,
+        stage: int,
+        member: int,
+        key: str | None,
+        timeout: float,
+        abort: Callable[[], None] = lambda: None,
+    ) -> None:
+        super().__init__()
+        self.generation = keys.generation
+        deadline = time.monotonic() + timeout
+        address = self._find(session, group_key(keys, stage), deadline, abort)
+        host, port = address.rsplit(":", 1)
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+        except OSError as exc:
+            raise TransportError(f"stage {stage} member {member}: face at {address} unreachable") from exc
+        self.face = _Stream(sock, f"the face of stage {stage}")
+        nonce = bytes(self.face.read(NONCE_BYTES, deadline, "waiting for the face's greeting"))
+        hello = m.GroupHello(instance=keys.instance, generation=keys.generation, stage=stage, member=member)
+        hello = hello.model_copy(update={"mac": _mac(key, nonce, hello)})
+        self.face.send_message(hello, None, keys.generation, deadline)
+
+    @staticmethod
+    def _find(session: zenoh.Session, key: str, deadline: float, abort: Callable[[], None]) -> str:
+        while True:
+            for reply in session.get(key, timeout=0.5):
+                if reply.ok is not None:
+                    return reply.ok.payload.to_bytes().decode()
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"no face answered on {key}")
+            abort()
+            time.sleep(0.1)  # a retry period: the face may not have loaded yet
+
+    def next_message(self) -> tuple[Any, np.ndarray | None]:
+        """The next message the face forwarded (an idle wait: no deadline; a vanished face breaks it)."""
+        kind = self.face.read_kind(None, "waiting for the next step")
+        if kind != MESSAGE:
+            raise frame.FrameError(f"a sum arrived between steps (kind {kind})")
+        return self.face.read_message(time.monotonic() + 60.0)
+
+    def reduce(self, x: mx.array) -> mx.array:
+        started = time.perf_counter()
+        index = self._next()
+        mx.eval(x)
+        part = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+        self.face.send_sum(self.seq, index, part, self.deadline)
+        total = self.face.read_sum(self.seq, index, part, self.deadline)
+        out = mx.array(total).astype(x.dtype)
+        self.timings_us.append((time.perf_counter() - started) * 1e6)
+        return out
+
+    def close(self) -> None:
+        self.face.close()

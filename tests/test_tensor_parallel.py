@@ -4,6 +4,7 @@ group member that stops, dies or is cut off fails its stage within the step dead
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -24,7 +25,7 @@ class _ThreadSum:
         self.barrier = threading.Barrier(size)
         self.parts: list[np.ndarray | None] = [None] * size
 
-    def reduce(self, member: int):  # noqa: ANN201
+    def reduce(self, member: int) -> Callable[[mx.array], mx.array]:
         def call(x: mx.array) -> mx.array:
             mx.eval(x)
             self.parts[member] = np.array(x)

@@ -163,6 +163,13 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_tp(args: argparse.Namespace) -> int:
+    from shardline.bench.tp import run
+
+    run(json_path=args.json, rounds=positive(args.rounds, "--rounds"), quick=args.quick)
+    return 0
+
+
 def cmd_bench_attention(args: argparse.Namespace) -> int:
     from shardline.bench.attention import run
 
@@ -365,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
     be.add_argument("--rounds", type=int, default=3, help="alternating baseline / engine rounds")
     be.set_defaults(func=cmd_bench_engine)
+    btp = bsub.add_parser(
+        "tp", help="one stream on a tensor-parallel group of 2 against one runner and a 2-stage pipeline"
+    )
+    btp.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    btp.add_argument("--rounds", type=int, default=2, help="rounds of single, tp2, pp2, single")
+    btp.add_argument("--quick", action="store_true", help="a 4-layer model, one round: a smoke run")
+    btp.set_defaults(func=cmd_bench_tp)
     ba = bsub.add_parser("attention", help="a prefill chunk's attention: the runner's kernel against MLX's")
     ba.add_argument("--model", default=None, help=MODEL_HELP)
     ba.add_argument("--json", type=Path, default=None, help=JSON_HELP)

@@ -61,6 +61,12 @@ class ModelFootprint(BaseModel):
     layer_overhead_bytes: int = Field(0, ge=0)  # see LAYER_OVERHEAD_BYTES; 0 in old reports
     # How the weights are stored, for people: "q4_1→affine4/g32", "mlx 4-bit g64", "float32" (models/formats)
     weight_format: str = ""
+    # The shapes tensor parallelism splits (cluster/parallelism.py); 0 in old reports: never split.
+    heads: int = Field(0, ge=0)
+    kv_heads: int = Field(0, ge=0)
+    head_dim: int = Field(0, ge=0)
+    intermediate_size: int = Field(0, ge=0)
+    quant_group: int = Field(0, ge=0)  # affine quantization's group size (0: float weights)
 
     @model_validator(mode="after")
     def _one_size_per_layer(self) -> ModelFootprint:
@@ -142,6 +148,11 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
         vocab_size=vocab,
         weight_format=describe_weights(model_dir, config, by_dtype),
         layer_overhead_bytes=LAYER_OVERHEAD_BYTES,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(config.get("intermediate_size") or 0),
+        quant_group=int((config.get("quantization") or {}).get("group_size") or 0),
     )
 
 
@@ -152,6 +163,7 @@ class NodeCapacity:
     node_id: str
     available_bytes: int  # memory offered (already the --memory-limit share if one is set)
     compute_score: float  # relative speed: GFLOP/s of a short matmul
+    read_bytes_per_s: float = 0.0  # measured memory read bandwidth (0: not measured)
 
     def __post_init__(self) -> None:
         if self.available_bytes < 0 or not (0 < self.compute_score < math.inf):

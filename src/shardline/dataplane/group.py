@@ -34,6 +34,7 @@ import zenoh
 from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
+from shardline.runner.deadline import SMALL_STEP
 
 _KIND = struct.Struct("<B")
 _MESSAGE = struct.Struct("<Q")  # frame length
@@ -148,8 +149,10 @@ class _Sums:
         self.index = 0
         self.deadline_s = 60.0
         self.deadline = 0.0
-        # Per sum, this process's wall time inside reduce, the latest ones (`bench tp` reports them).
-        self.timings_us: deque[float] = deque(maxlen=1 << 16)
+        # This process's wall time inside each recent sum, apart for decode steps and prefill chunks (the
+        # heartbeat reports them; `bench tp` too).
+        self.timings_us: dict[bool, deque[float]] = {True: deque(maxlen=4096), False: deque(maxlen=4096)}
+        self.count = 0
 
     def begin(self, seq: int, deadline_s: float) -> None:
         """A step starts: its sums are tagged with seq, each waits at most deadline_s from now."""
@@ -160,6 +163,18 @@ class _Sums:
     def _next(self) -> int:
         index, self.index = self.index, self.index + 1
         return index
+
+    def _took(self, x: mx.array, started: float) -> None:
+        self.count += 1
+        positions = x.size // max(1, x.shape[-1])
+        self.timings_us[positions <= SMALL_STEP].append((time.perf_counter() - started) * 1e6)
+
+    def percentiles(self, decode: bool) -> tuple[float, float]:
+        """(p50, p99) in microseconds of the recent sums of decode steps (or prefill chunks)."""
+        xs = sorted(self.timings_us[decode])
+        if not xs:
+            return (0.0, 0.0)
+        return (xs[len(xs) // 2], xs[min(len(xs) - 1, int(len(xs) * 0.99))])
 
 
 def _host_of(listen: list[str]) -> str:
@@ -267,7 +282,7 @@ class GroupFace(_Sums):
         for s in self.members:
             s.send_sum(self.seq, index, total, self.deadline)
         out = mx.array(total).astype(x.dtype)
-        self.timings_us.append((time.perf_counter() - started) * 1e6)
+        self._took(x, started)
         return out
 
     def close(self) -> None:
@@ -334,7 +349,7 @@ class GroupMember(_Sums):
         self.face.send_sum(self.seq, index, part, self.deadline)
         total = self.face.read_sum(self.seq, index, part, self.deadline)
         out = mx.array(total).astype(x.dtype)
-        self.timings_us.append((time.perf_counter() - started) * 1e6)
+        self._took(x, started)
         return out
 
     def close(self) -> None:

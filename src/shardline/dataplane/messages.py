@@ -286,6 +286,11 @@ class Heartbeat(Wire):
     kv_peak_bytes: int = 0
     weight_bytes: int = 0
     constraint_tokenizer: bool = False  # it loaded the constraint engine's tokenizer (a fixed cost, ~40 MB)
+    # A tensor-parallel face: its group's sums, microseconds each (p50, p99) over its recent decode steps
+    # and prefill chunks, and how many it made.
+    group_sums: int = 0
+    sum_us_decode: tuple[float, float] = (0.0, 0.0)
+    sum_us_chunk: tuple[float, float] = (0.0, 0.0)
     dropped: int = 0  # frames this runner refused: unparsable, another generation, unknown request
     requests: int = 0
 

@@ -218,6 +218,7 @@ class RunnerProcess:
                 kv_peak_bytes=w.kv_peak_bytes if w else 0,
                 weight_bytes=self.weight_bytes,
                 constraint_tokenizer=bool(w and w.matchers and w.matchers.loaded),
+                **self._group_figures(),
                 dropped=self.inbox.dropped,
                 requests=len(self.leader.requests) if self.leader else len(w.caches) if w else 0,
             )
@@ -233,6 +234,13 @@ class RunnerProcess:
                     self.leader.beat()
             except TransportError:
                 return
+
+    def _group_figures(self) -> dict[str, Any]:
+        g = self.group
+        if not isinstance(g, GroupFace):
+            return {}
+        decode, chunk = g.percentiles(True), g.percentiles(False)
+        return {"group_sums": g.count, "sum_us_decode": decode, "sum_us_chunk": chunk}
 
     def serve(self) -> None:
         if self.leader is not None:

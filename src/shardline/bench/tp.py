@@ -1,0 +1,181 @@
+"""`shardline bench tp`: one stream on a tensor-parallel group of 2 against one runner and against a
+2-stage pipeline, side by side, on a synthetic llama large enough that compute dominates.
+
+Three engines on the same weights, one runner per core, one BLAS thread each: `single` (1 stage),
+`tp2` (1 stage, a group of 2), `pp2` (2 stages). Each round runs single, tp2, pp2, single; the tp2 and
+pp2 figures are compared with the mean of the two single runs around them (drift over the minutes a
+round takes cancels out). Greedy outputs of tp2 are compared token for token with single's over 8 prompts.
+The group's sums are timed inside the face (its heartbeat): per sum, from its own partial ready to the total
+sent back, so the figure holds the link, the member's lateness and the add.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from shardline.bench.machine import describe
+from shardline.engine.engine import Engine, EngineConfig
+from shardline.models.synth import SYNTH_INFO_FILE, SynthSpec, weight_sizes, write_synth_model
+
+# ~1.1B parameters: 24 layers of hidden 2048 and MLP 5632 (16 heads, 4 KV heads), 4-bit in groups of 32
+# with float32 scales (~690 MB): one decode step reads the weights once, which takes tens of ms on a core.
+BENCH_SPEC = SynthSpec(
+    layers=24, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, bits=4, dtype="float32"
+)
+PREFILL_STEP = 256
+PROMPT = 512  # prefill: two chunks
+DECODE_PROMPT = 32
+DECODE_TOKENS = 32
+CHECK_PROMPTS = 8
+CHECK_TOKENS = 16
+TARGETS = {
+    "decode_ratio_tp2_vs_single": ">= 1.6",
+    "prefill_ratio_tp2_vs_single": ">= 1.7",
+    "decode_ratio_tp2_vs_pp2": ">= 1.5",
+    "tp_outputs_mismatched": "= 0",
+}
+
+
+def bench_dir() -> Path:
+    """Where bench models live: beside the model cache, never in it (nodes list every model there)."""
+    from shardline.models.registry import cache_dir
+
+    return cache_dir().parent / "bench"
+
+
+def synth_model(spec: SynthSpec) -> Path:
+    quant = f"q{spec.bits}-{spec.dtype}" if spec.bits else spec.dtype
+    path = bench_dir() / f"synth-tp-{spec.layers}l-{spec.hidden}h-{quant}"
+    info = path / SYNTH_INFO_FILE
+    if not (info.is_file() and json.loads(info.read_text()).get("spec") == asdict(spec)):
+        print(f"bench tp: writing the synthetic model {path.name}", file=sys.stderr)
+        write_synth_model(path, spec, progress=True, overwrite=True)
+    return path
+
+
+def _prompt(n: int, vocab: int, offset: int) -> list[int]:
+    return [(offset + 7919 * i) % (vocab - 1000) + 500 for i in range(n)]
+
+
+def _engine(model_dir: Path, stages: int, tp: int) -> Engine:
+    config = EngineConfig(
+        model_dir=model_dir,
+        stages=stages,
+        tp=tp,
+        prefill_step=PREFILL_STEP,
+        pin_cpus=True,
+        load_timeout=600.0,
+        prefix_cache=False,  # every run computes its whole prompt
+    )
+    return Engine(config).start()
+
+
+def _run(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
+    start = time.perf_counter()
+    stamps, tokens = [], []
+    for t in engine.submit(prompt, max_tokens=max_tokens):
+        stamps.append(time.perf_counter() - start)
+        tokens.append(t.token)
+    return stamps, tokens
+
+
+def _figures(engine: Engine, vocab: int) -> dict[str, float]:
+    stamps, _ = _run(engine, _prompt(DECODE_PROMPT, vocab, 1), DECODE_TOKENS)
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    first, _ = _run(engine, _prompt(PROMPT, vocab, 2), 1)
+    return {"decode_tps": decode, "prefill_tps": PROMPT / first[0]}
+
+
+def _outputs(engine: Engine, vocab: int) -> list[list[int]]:
+    return [_run(engine, _prompt(40 + 9 * k, vocab, 100 + k), CHECK_TOKENS)[1] for k in range(CHECK_PROMPTS)]
+
+
+def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, quick: bool = False) -> dict:
+    if quick:
+        spec = replace(spec, layers=4)
+        rounds = 1
+    model_dir = synth_model(spec)
+    vocab = spec.vocab
+    print(f"bench tp: {model_dir.name} on {describe()['cpu']}", file=sys.stderr)
+    raws: dict[str, list[float]] = defaultdict(list)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    mismatched = 0
+    sums: dict[str, tuple[float, float]] = {}
+    for r in range(rounds):
+        print(f"bench tp: round {r + 1} of {rounds}", file=sys.stderr)
+        with _engine(model_dir, 1, 1) as engine:
+            single = [_figures(engine, vocab)]
+            reference = _outputs(engine, vocab) if r == 0 else []
+        with _engine(model_dir, 1, 2) as engine:
+            tp2 = _figures(engine, vocab)
+            if r == 0:
+                got = _outputs(engine, vocab)
+                mismatched = sum(a != b for a, b in zip(got, reference, strict=True))
+            face = engine.fresh_heartbeats(30)[0]
+            sums = {"decode": face.sum_us_decode, "chunk": face.sum_us_chunk}
+        with _engine(model_dir, 2, 1) as engine:
+            pp2 = _figures(engine, vocab)
+        with _engine(model_dir, 1, 1) as engine:
+            single.append(_figures(engine, vocab))
+        base = {k: statistics.mean(s[k] for s in single) for k in single[0]}
+        for name, figures in (("single", base), ("tp2", tp2), ("pp2", pp2)):
+            for k, v in figures.items():
+                raws[f"{name}_{k}"].append(v)
+        ratios["decode_ratio_tp2_vs_single"].append(tp2["decode_tps"] / base["decode_tps"])
+        ratios["prefill_ratio_tp2_vs_single"].append(tp2["prefill_tps"] / base["prefill_tps"])
+        ratios["decode_ratio_tp2_vs_pp2"].append(tp2["decode_tps"] / pp2["decode_tps"])
+        ratios["prefill_ratio_pp2_vs_single"].append(pp2["prefill_tps"] / base["prefill_tps"])
+    sizes = weight_sizes(model_dir)
+    result: dict = {
+        "machine": describe(),
+        "model": model_dir.name,
+        "synthetic": asdict(spec),
+        "parameters": sizes["parameters"],
+        "weight_bytes": sizes["stored_bytes"],
+        "rounds": rounds,
+        "setup": "engines single (1 runner), tp2 (1 stage, a group of 2), pp2 (2 stages), each runner pinned "
+        "to its own core, one BLAS thread; each round single, tp2, pp2, single, tp2 and pp2 over the mean "
+        f"of the two single runs; decode: {DECODE_TOKENS} tokens after a {DECODE_PROMPT}-token prompt, one "
+        f"stream; prefill: time to first token of a {PROMPT}-token prompt in chunks of {PREFILL_STEP}",
+        "targets": TARGETS,
+    }
+    result.update({k: round(statistics.median(v), 3) for k, v in ratios.items()})
+    result["ratio_ranges"] = {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}
+    result["tp_outputs_mismatched"] = mismatched
+    result["tp_outputs_compared"] = f"{CHECK_PROMPTS} prompts x {CHECK_TOKENS} greedy tokens, tp2 vs single"
+    result["allreduce_us_p50"], result["allreduce_us_p99"] = (round(x, 1) for x in sums["decode"])
+    result["allreduce_chunk_us_p50"], result["allreduce_chunk_us_p99"] = (round(x, 1) for x in sums["chunk"])
+    result["allreduce_setup"] = (
+        f"per sum of a decode step ({spec.hidden} floats) and of a prefill chunk ({PREFILL_STEP} x "
+        f"{spec.hidden}), timed in the face from its partial ready to the total sent: link both ways, the "
+        "member's lateness, the add; 2 sums a layer"
+    )
+    result["raw"] = {k: round(statistics.median(v), 3) for k, v in raws.items()}
+    print(report(result))
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def report(r: dict) -> str:
+    lines = [f"bench tp: {r['model']} ({r['parameters'] / 1e6:.0f}M parameters) on {r['machine']['cpu']}"]
+    for k, target in TARGETS.items():
+        lines.append(f"  {k}: {r[k]} (target {target})")
+    lines.append(f"  decode_ratio tp2 range over rounds: {r['ratio_ranges']['decode_ratio_tp2_vs_single']}")
+    lines.append(
+        f"  allreduce per sum: decode p50 {r['allreduce_us_p50']} us, p99 {r['allreduce_us_p99']} us; "
+        f"prefill chunk p50 {r['allreduce_chunk_us_p50']} us, p99 {r['allreduce_chunk_us_p99']} us"
+    )
+    raw = r["raw"]
+    lines.append(
+        f"  tokens/s: single decode {raw['single_decode_tps']:.2f}, tp2 {raw['tp2_decode_tps']:.2f}, "
+        f"pp2 {raw['pp2_decode_tps']:.2f}; prefill single {raw['single_prefill_tps']:.1f}, "
+        f"tp2 {raw['tp2_prefill_tps']:.1f}, pp2 {raw['pp2_prefill_tps']:.1f}"
+    )
+    return "\n".join(lines)

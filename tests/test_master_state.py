@@ -202,7 +202,7 @@ def test_layout_places_over_the_snapshot_and_names_the_agents():
     s = master()
     s, out = ms.apply(s, place())
     i = replies(out)[0].reply.instance.instance
-    stages, launches = ms.layout(s, i, 0, keep={}, avoid=set())
+    stages, launches, _ = ms.layout(s, i, 0, keep={}, avoid=set())
     assert [k for k, _ in launches] == [f"shardline/node/{st.node_id}/agent" for st in stages]
     assert [x.spec.layer_start for _, x in launches] == [st.start for st in stages]
     assert all(x.term == 1 and x.spec.generation == 0 for _, x in launches)

@@ -144,15 +144,31 @@ def cmd_place(args: argparse.Namespace) -> int:
     from shardline.cluster.placement import PlacementRequest
     from shardline.controller.state import generation_label
 
-    request = PlacementRequest(sequences=args.sequences, reserve_tokens=args.reserve_tokens)
+    for value, flag in ((args.tp, "--tp"), (args.stages, "--stages")):
+        if value is not None:
+            positive(value, flag)
+    request = PlacementRequest(
+        sequences=args.sequences,
+        reserve_tokens=args.reserve_tokens,
+        tensor_parallel=args.tp,
+        max_stages=args.stages,
+    )
     with ClusterClient([args.cluster], args.namespace, credentials(args)) as client:
         reply = client.place(args.model, request, dry_run=args.dry_run)
         assert reply.placement is not None
-        for k, a in enumerate(reply.placement.stages):
-            print(
-                f"stage {k}: node {a.node_id} layers [{a.start}, {a.end}) needs {a.need_bytes / 1e9:.2f} GB "
-                f"of {a.available_bytes / 1e9:.2f} GB"
-            )
+        if not any(r.member for r in reply.runners):
+            for k, a in enumerate(reply.placement.stages):
+                print(
+                    f"stage {k}: node {a.node_id} layers [{a.start}, {a.end}) needs "
+                    f"{a.need_bytes / 1e9:.2f} GB of {a.available_bytes / 1e9:.2f} GB"
+                )
+        else:
+            for r in reply.runners:
+                stage = r.ring if r.ring is not None else reply.runners.index(r)
+                role = "face" if r.member == 0 else f"member {r.member}"
+                print(f"stage {stage} {role}: node {r.node_id} layers [{r.start}, {r.end}), 1/k of each")
+        if reply.layout:
+            print(f"layout: {reply.layout}")
         if not args.dry_run and reply.instance is not None:
             rec = client.wait_ready(reply.instance.instance, args.timeout)
             print(f"instance {rec.instance} ready (generation {generation_label(rec.generation)})")
@@ -455,9 +471,17 @@ def add_commands(sub: Any) -> None:
     place.add_argument("--namespace", default="shardline", help="the cluster's namespace")
     add_credential_args(place)
     place.add_argument(
-        "--dry-run", action="store_true", help="print where the stages would go; place nothing"
+        "--dry-run", action="store_true", help="print where the stages would go, and why; place nothing"
     )
     place.add_argument("--sequences", type=int, default=4, help="concurrent requests to reserve KV cache for")
+    place.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="runners per stage: 1 for pipeline stages only, k for tensor-parallel groups of k (default: "
+        "placement chooses from read bandwidth, links and memory)",
+    )
+    place.add_argument("--stages", type=int, default=None, help="at most this many stages (with --tp: these)")
     place.add_argument(
         "--reserve-tokens", type=int, default=None, help="KV cache tokens per sequence (default: the model's)"
     )

@@ -111,11 +111,11 @@ class Master:
         if rec is not None:
             keep = ms.keep_layers(rec, c.state.failures) if c.reuse else {}
             avoid = ms.unreachable(rec, c.state.failures)
-        stages, launches = ms.layout(state, instance, generation, keep, avoid)
+        stages, launches, why = ms.layout(state, instance, generation, keep, avoid)
         digest = (
             launches[0][1].digest if launches else ""
         )  # kept in the record: views carry it to a new master
-        self._post(Posted(self, ms.Laid(instance, generation, stages, digest)))
+        self._post(Posted(self, ms.Laid(instance, generation, stages, digest, why)))
         return launches
 
     def _changed(self, instance: str, c: InstanceController) -> None:

@@ -20,7 +20,8 @@ from typing import Any
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys
-from shardline.cluster.placement import ModelFootprint, PlacementError, place
+from shardline.cluster.parallelism import arrange
+from shardline.cluster.placement import ModelFootprint, Placement, PlacementError, place
 from shardline.controller.controller import Launch, LayoutError
 from shardline.dataplane import messages as m
 from shardline.runner.spec import RunnerSpec
@@ -103,6 +104,7 @@ class Laid:
     generation: int
     stages: tuple[cm.StageRecord, ...]
     digest: str = ""  # the model digest it launched with (a record from before digests gets one here)
+    layout: str = ""  # pipeline or groups, and why
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,7 @@ def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Command]]
                 "generation": event.generation,
                 "phase": "placed",
                 "digest": event.digest or rec.digest,
+                "layout": event.layout or rec.layout,
             }
         )
         return replace(state, records={**state.records, event.instance: new}, dirty=True), []
@@ -331,10 +334,12 @@ def _place(
     nodes = [c for c in cs.capacities(snap) if _worker(snap, c.node_id)]
     try:
         placement = place(fp, nodes, q.request)
-    except PlacementError as exc:
+        why, runners = _arranged(snap, fp, nodes, placement, q.request)
+    except (PlacementError, ValueError) as exc:
         return state, cm.MasterReply(ok=False, error=str(exc), term=state.term), []
     if q.dry_run:
-        return state, cm.MasterReply(ok=True, placement=placement, term=state.term), []
+        reply = cm.MasterReply(ok=True, placement=placement, runners=runners, layout=why, term=state.term)
+        return state, reply, []
     sequences = placement.sequences * placement.reserve_tokens
     instance = f"{q.model[:40]}-{salt}"
     n = 1
@@ -360,6 +365,23 @@ def _place(
         Log(cm.ClusterEvent(at=at, kind="placed", instance=instance, message=_describe(placement))),
     ]
     return state, cm.MasterReply(ok=True, placement=placement, instance=rec, term=state.term), out
+
+
+def _arranged(
+    snap: cs.ClusterState,
+    fp: ModelFootprint,
+    nodes: list[Any],
+    placement: Placement,
+    request: Any,
+) -> tuple[str, list[cm.StageRecord]]:
+    """Pipeline or tensor-parallel groups over the placed machines (cluster/parallelism.py), and why."""
+    link, source = cs.link_between(snap, [n.node_id for n in nodes])
+    choice, runners = arrange(fp, nodes, placement, link, request)
+    records = [
+        cm.StageRecord(node_id=node, start=s, end=e, ring=stage if member else None, member=member)
+        for node, stage, member, s, e in runners
+    ]
+    return f"{choice.explanation} [link {source}]", records
 
 
 def _worker(snap: cs.ClusterState, node_id: str) -> bool:
@@ -448,8 +470,9 @@ def layout(
     generation: int,
     keep: Mapping[str, tuple[int, int]],
     avoid: set[str],
-) -> tuple[tuple[cm.StageRecord, ...], list[Launch]]:
-    """Place the model over the nodes alive now; one StartRunner per stage. Raises LayoutError."""
+) -> tuple[tuple[cm.StageRecord, ...], list[Launch], str]:
+    """Place the model over the nodes alive now; one StartRunner per runner (a stage, or a member of a
+    stage's tensor-parallel group), and why that layout. Raises LayoutError."""
     rec = state.records.get(instance)
     if rec is None:
         raise LayoutError(f"instance {instance!r} was removed")
@@ -465,23 +488,30 @@ def layout(
         raise LayoutError(f"no live node holds model {rec.model!r} with the expected digest {digest[:12]}")
     try:
         try:  # a node that stalled or vanished is most likely cut off: not used again while others fit
-            placement = place(fp, [n for n in nodes if n.node_id not in avoid], rec.request, keep=keep)
+            usable = [n for n in nodes if n.node_id not in avoid]
+            placement = place(fp, usable, rec.request, keep=keep)
         except PlacementError:
             if not avoid:
                 raise
+            usable = nodes
             placement = place(fp, nodes, rec.request, keep=keep)
-    except PlacementError as exc:
+        why, runners = _arranged(snap, fp, usable, placement, rec.request)
+    except (PlacementError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
-    stages = tuple(cm.StageRecord(node_id=a.node_id, start=a.start, end=a.end) for a in placement.stages)
+    groups = any(r.member for r in runners)
+    stages = tuple(runners)
     keys = ClusterKeys(state.config.namespace)
     launches = []
-    for k, a in enumerate(placement.stages):
-        start = _start_runner(state, rec, fp, generation, k, a, len(stages), endpoints, sources)
+    ring_stages = sum(1 for r in runners if not r.member)
+    for k, a in enumerate(runners):
+        group = len(runners) // ring_stages
+        start = _start_runner(state, rec, fp, generation, k, a, ring_stages, endpoints, sources, group)
         start = start.model_copy(update={"digest": digest})
-        # A survivor keeps its process where its layers stay (keep is empty unless reuse is on).
-        start = start.model_copy(update={"reuse": keep.get(a.node_id) == (a.start, a.end)})
+        # A survivor keeps its process where its layers stay (keep is empty unless reuse is on); a group's
+        # members are always new (they meet their face at bring-up).
+        start = start.model_copy(update={"reuse": not groups and keep.get(a.node_id) == (a.start, a.end)})
         launches.append((keys.agent(a.node_id), start))
-    return stages, launches
+    return stages, launches, why
 
 
 def _start_runner(
@@ -490,10 +520,11 @@ def _start_runner(
     fp: ModelFootprint,
     generation: int,
     stage: int,
-    a: Any,
+    a: cm.StageRecord,
     stages: int,
     endpoints: dict[str, str],
     sources: list[str],
+    group: int = 1,
 ) -> m.StartRunner:
     endpoint = endpoints[a.node_id]
     host = endpoint.split("/", 1)[1].rpartition(":")[0]
@@ -508,6 +539,9 @@ def _start_runner(
         layer_start=a.start,
         layer_end=a.end,
         layer_total=fp.layers,
+        group=group,
+        member=a.member,
+        position=a.ring,
         connect=[endpoint],
         listen=[f"tcp/{host}:0"],
         kv_budget_bytes=rec.kv_budget_bytes,

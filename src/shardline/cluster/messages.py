@@ -27,6 +27,14 @@ class Resources(Wire):
     compute_score: float  # GFLOP/s of a short float32 matmul on the node's MLX device
     device: str
     cpus: int
+    read_gbps: float = 0.0  # memory read bandwidth, measured at start (what a decode step's weights cost)
+
+
+class LinkFact(Wire):
+    """A node's measurement of its link to a peer: a small query's round trip, and bulk bandwidth."""
+
+    rtt_us: float
+    bytes_per_s: float
 
 
 class LocalModel(Wire):
@@ -67,15 +75,20 @@ class NodeReport(Wire):
     term: int = 0  # the highest master term this node has seen: a new master learns it from reports
     instances: list[InstanceRecord] = []  # as of the newest view it saw: nothing lives only in the master
     notices: list[ClusterEvent] = []  # its newest own events (a weight source refused): every node folds them
+    links: dict[str, LinkFact] = {}  # peer node -> its measured link to it (placement's tensor parallelism)
 
 
 # ---- master -> everyone: the cluster as the master sees it -------------------------------------------------
 
 
 class StageRecord(Wire):
+    """One runner of an instance, in slot order (cluster/parallelism.py: runner_slots)."""
+
     node_id: str
     start: int
     end: int
+    ring: int | None = None  # its stage in the ring, where it is a tensor-parallel member (slot != stage)
+    member: int = 0  # its place in its stage's group (0: the face, or a pipeline stage)
     phase: str = "placed"
     pid: int | None = None
     weights_done: int = 0
@@ -98,6 +111,7 @@ class InstanceRecord(Wire):
     created_at: float = 0.0  # wall clock
     digest: str = ""  # the model digest every copy of its stages must have (the first importer's)
     weight_format: str = ""  # how its weights are stored (ModelFootprint.weight_format), for people
+    layout: str = ""  # pipeline or tensor-parallel groups, and why (cluster/parallelism.py), for people
 
 
 class NodeSummary(Wire):
@@ -190,6 +204,8 @@ class MasterReply(Wire):
     term: int = 0
     placement: Placement | None = None
     instance: InstanceRecord | None = None
+    runners: list[StageRecord] = []  # what would be launched: the placement's stages, or its groups
+    layout: str = ""  # pipeline or groups, and why
 
 
 NodeReport.model_rebuild()

@@ -28,9 +28,10 @@ from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys, node_from_key
+from shardline.cluster.links import LinkProber
 from shardline.cluster.master import Master, Posted
 from shardline.cluster.placement import footprint_from_dir
-from shardline.cluster.resources import compute_score, device_kind, node_identity, resources
+from shardline.cluster.resources import compute_score, device_kind, node_identity, read_bandwidth, resources
 from shardline.cluster.weights.manifest import local_models, record_imports
 from shardline.cluster.weights.server import Tamper, WeightServer
 from shardline.cluster.weights.stage import StageWeights
@@ -113,6 +114,7 @@ class Node:
         self.started_at = time.time()
         self.started_mono = time.monotonic()
         self.score = config.compute_score or compute_score()
+        self.read_gbps = read_bandwidth()
         self.device = device_kind()
         self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
         self.lock = threading.RLock()  # the state; never held while sending
@@ -175,6 +177,7 @@ class Node:
             s.liveliness().declare_subscriber(self.keys.alive_any, self._on_alive, history=True),
         ]
         self._token = s.liveliness().declare_token(self.keys.alive(self.node_id))
+        self.links = LinkProber(s, self.config.namespace, self.node_id, self._live_peers).start()
         self._enqueue(cs.Alive(self.node_id))
         # The settle window opens now, when the node can hear others: measuring, hashing and the API's start
         # must not use it up, or a joining node campaigns alone before it hears the sitting master.
@@ -226,6 +229,7 @@ class Node:
         if self.agent is not None:
             self.agent.close()
         self.weights.close()
+        self.links.close()
         try:
             self._token.undeclare()
             for sub in self._subs:
@@ -496,13 +500,19 @@ class Node:
             worker=self.config.worker,
             api=self.api.url if self.api is not None else "",
             leaving=self._leaving,
-            resources=resources(self.score, self.device, self.config.memory_limit, held),
+            resources=resources(self.score, self.device, self.config.memory_limit, held, self.read_gbps),
             models=self.models() if self.config.worker else {},
             runners=self.runner_infos(),
             term=term,
             instances=instances,
             notices=notices,
+            links=self.links.snapshot(),
         )
+
+    def _live_peers(self) -> list[str]:
+        with self.lock:
+            reports = self.state.reports
+            return sorted(n for n in self.state.alive if n in reports and reports[n].worker)
 
     def _reporter(self) -> None:
         while not self._closed.wait(self.config.report_s):  # the report period, not a synchronisation

@@ -196,3 +196,52 @@ def choose(
         )
     why = f"pipeline: {reason} ({link_text}). Candidates: {listed}"
     return Choice(base.stages, 1, tuple(options), why)
+
+
+def runner_slots(stages: int, group: int) -> list[tuple[int, int]]:
+    """(ring stage, member) of each runner of an instance, in slot order: the faces first (slot = their
+    ring stage, as in a pipeline), then each stage's other members. The engine and the master use this."""
+    faces = [(s, 0) for s in range(stages)]
+    return faces + [(s, j) for s in range(stages) for j in range(1, group)]
+
+
+def arrange(
+    model: ModelFootprint,
+    nodes: Sequence[NodeCapacity],
+    pipeline: Placement,
+    link: Link,
+    request: PlacementRequest,
+) -> tuple[Choice, list[tuple[str, int, int, int, int]]]:
+    """The layout to launch: (node, ring stage, member, start, end) per runner in slot order, and why.
+
+    request.tensor_parallel: None lets `choose` decide; 1 keeps the pipeline; k asks for groups of k on
+    max_stages (default 1) stages, on the first nodes in node order (raises ValueError when they cannot)."""
+    forced = request.tensor_parallel
+    if forced is None:
+        choice = choose(model, nodes, pipeline, link, request)
+    elif forced == 1:
+        base = estimate(model, nodes, len(pipeline.stages), 1, link, request, pipeline_ranges(pipeline))
+        choice = Choice(len(pipeline.stages), 1, (base,), "pipeline: asked for (tensor_parallel 1)")
+    else:
+        stages = request.max_stages or 1
+        c = estimate(model, nodes, stages, forced, link, request)
+        if not c.fits:
+            raise ValueError(f"{stages} stage(s) x groups of {forced} asked for: {c.why_not}")
+        choice = Choice(stages, forced, (c,), f"groups: asked for (tensor_parallel {forced}); {c.describe()}")
+    if choice.group == 1:
+        runners = [(a.node_id, k, 0, a.start, a.end) for k, a in enumerate(pipeline.stages)]
+        return choice, runners
+    ranges = split_for_stages(model, choice.stages)
+    order = sorted(nodes, key=lambda n: n.node_id)
+    if forced is None:  # choose() arranged the pipeline's own machines
+        used = {a.node_id for a in pipeline.stages}
+        order = [n for n in order if n.node_id in used]
+    runners = []
+    for stage, member in runner_slots(choice.stages, choice.group):
+        node = order[stage * choice.group + member]
+        runners.append((node.node_id, stage, member, *ranges[stage]))
+    return choice, runners
+
+
+def pipeline_ranges(pipeline: Placement) -> list[tuple[int, int]]:
+    return [(a.start, a.end) for a in pipeline.stages]

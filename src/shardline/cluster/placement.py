@@ -180,6 +180,9 @@ class PlacementRequest(BaseModel):
     activation_bytes: int = Field(256 << 20, ge=0)  # scratch headroom per stage
     max_stages: int | None = Field(None, ge=1)
     hop_cost_fraction: float = Field(0.05, ge=0)  # see the module docstring
+    # Runners per stage (cluster/parallelism.py): None lets placement choose; 1: pipeline stages only; k:
+    # tensor-parallel groups of k, on max_stages (default 1) stages.
+    tensor_parallel: int | None = Field(None, ge=1, le=64)
 
 
 class StageAssignment(BaseModel):

@@ -62,13 +62,29 @@ def compute_score(seconds: float = 0.3) -> float:
     return round(best, 2)
 
 
+def read_bandwidth(nbytes: int = 64 << 20, tries: int = 3) -> float:
+    """GB/s at which one core reads memory (a sum over a buffer far larger than the caches): what a decode
+    step, which reads every weight once, is bound by. The best of a few runs, as compute_score."""
+    import numpy as np
+
+    a = np.ones(nbytes // 8, dtype=np.float64)
+    best = 0.0
+    for _ in range(tries):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return round(best, 2)
+
+
 def device_kind() -> str:
     import mlx.core as mx
 
     return str(mx.default_device()).removeprefix("Device(").removesuffix(")")
 
 
-def resources(score: float, device: str, memory_limit: int | None, held_bytes: int) -> Resources:
+def resources(
+    score: float, device: str, memory_limit: int | None, held_bytes: int, read_gbps: float = 0.0
+) -> Resources:
     """held_bytes: memory this node's runners hold now; placement sees what is left of the limit."""
     vm = psutil.virtual_memory()
     available = vm.available if memory_limit is None else max(0, min(vm.available, memory_limit - held_bytes))
@@ -79,4 +95,5 @@ def resources(score: float, device: str, memory_limit: int | None, held_bytes: i
         compute_score=score,
         device=device,
         cpus=os.cpu_count() or 1,
+        read_gbps=read_gbps,
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from shardline.cluster import election
 from shardline.cluster import messages as cm
+from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, Link
 from shardline.cluster.placement import ModelFootprint, NodeCapacity
 
 MAX_EVENTS = 200
@@ -296,7 +297,8 @@ def capacities(state: ClusterState, instance: str | None = None) -> list[NodeCap
             available += sum(
                 _held_bytes(state, instance, info) for info in r.runners if info.instance == instance
             )
-        out.append(NodeCapacity(node_id, max(0, available), max(r.resources.compute_score, 1e-3)))
+        read = r.resources.read_gbps * 1e9
+        out.append(NodeCapacity(node_id, max(0, available), max(r.resources.compute_score, 1e-3), read))
     return out
 
 
@@ -336,3 +338,23 @@ def sources(state: ClusterState, model: str, digest: str | None = None) -> list[
         and m.full
         and (digest is None or m.digest == digest)
     ]
+
+
+def link_between(state: ClusterState, node_ids: list[str]) -> tuple[Link, str]:
+    """The link placement assumes between these nodes: the slowest pair as the nodes measured it (each
+    reports its round trips to its peers), else what their endpoints suggest, said as an assumption."""
+    rtts, rates = [], []
+    for a in node_ids:
+        r = state.reports.get(a)
+        for b in node_ids:
+            fact = r.links.get(b) if r is not None and a != b else None
+            if fact is not None:
+                rtts.append(fact.rtt_us * 1e-6)
+                rates.append(fact.bytes_per_s)
+    if rtts and len(rtts) >= len(node_ids) - 1:
+        return Link(max(rtts), min(rates)), "measured"
+    endpoints = [state.reports[n].endpoint for n in node_ids if n in state.reports]
+    hosts = {e.split("/", 1)[-1].rpartition(":")[0] for e in endpoints}
+    if hosts and all(h.startswith("127.") or h in ("localhost", "[::1]") for h in hosts):
+        return LOOPBACK, "assumed: loopback"
+    return ETHERNET_1G, "assumed: gigabit Ethernet (not measured yet)"

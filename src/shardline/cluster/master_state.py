@@ -554,8 +554,8 @@ def _start_runner(
 def keep_layers(rec: cm.InstanceRecord, failures: list[Any]) -> dict[str, tuple[int, int]]:
     """node -> layer range of the previous generation's stages that its failure did not blame."""
     blamed = failures[-1].suspects if failures else None
-    if rec.generation < 0 or blamed is None:
-        return {}
+    if rec.generation < 0 or blamed is None or any(s.member for s in rec.stages):
+        return {}  # a tensor-parallel group's runners are never handed on: their group is gone
     return {s.node_id: (s.start, s.end) for k, s in enumerate(rec.stages) if k not in blamed}
 
 

@@ -16,7 +16,7 @@ fits its node's memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardline.cluster.placement import (
     DEFAULT_RESERVE_TOKENS,
@@ -215,7 +215,8 @@ def arrange(
     """The layout to launch: (node, ring stage, member, start, end) per runner in slot order, and why.
 
     request.tensor_parallel: None lets `choose` decide; 1 keeps the pipeline; k asks for groups of k on
-    max_stages (default 1) stages, on the first nodes in node order (raises ValueError when they cannot)."""
+    max_stages (default 1) stages, on the first nodes in node order, and where they cannot be (too few
+    machines after a loss, too little memory), `choose` decides and the reason says so."""
     forced = request.tensor_parallel
     if forced is None:
         choice = choose(model, nodes, pipeline, link, request)
@@ -225,9 +226,13 @@ def arrange(
     else:
         stages = request.max_stages or 1
         c = estimate(model, nodes, stages, forced, link, request)
-        if not c.fits:
-            raise ValueError(f"{stages} stage(s) x groups of {forced} asked for: {c.why_not}")
-        choice = Choice(stages, forced, (c,), f"groups: asked for (tensor_parallel {forced}); {c.describe()}")
+        if c.fits:
+            choice = Choice(stages, forced, (c,), f"groups: asked for; {c.describe()}")
+        else:  # a re-placement after a loss may have too few machines: the instance lives on as it can
+            fallback = choose(model, nodes, pipeline, link, request)
+            why = f"{stages} stage(s) x groups of {forced} asked for, not possible: {c.why_not}; "
+            choice = replace(fallback, explanation=why + fallback.explanation)
+            forced = None
     if choice.group == 1:
         runners = [(a.node_id, k, 0, a.start, a.end) for k, a in enumerate(pipeline.stages)]
         return choice, runners

@@ -24,7 +24,8 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -58,10 +59,11 @@ def _mac(key: str | None, nonce: bytes, hello: m.GroupHello) -> str:
 class _Stream:
     """One TCP stream with framed writes and deadline-bounded reads."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, slot: int = -1) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.peer = peer
+        self.slot = slot  # the peer's runner slot: what a loss blames
 
     def _timeout(self, deadline: float | None, what: str) -> None:
         if deadline is None:
@@ -69,7 +71,7 @@ class _Stream:
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded(f"{self.peer}: {what} not done within its deadline")
+            raise DeadlineExceeded(f"{self.peer} stalled: {what} not done within the step's deadline")
         self.sock.settimeout(left)
 
     def send(self, parts: list[Any], deadline: float | None, what: str) -> None:
@@ -81,9 +83,9 @@ class _Stream:
                 sent = self.sock.send(view)
                 view = view[sent:]
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"{self.peer} took nothing while {what}: stopped or cut off") from exc
+            raise DeadlineExceeded(f"{self.peer} stalled: took nothing while {what}") from exc
         except OSError as exc:
-            raise TransportError(f"{self.peer}: link broken while {what}: {exc}") from exc
+            raise TransportError(f"{self.peer} vanished: link broken while {what}: {exc}") from exc
 
     def read(self, n: int, deadline: float | None, what: str) -> bytearray:
         buf = bytearray(n)
@@ -94,14 +96,14 @@ class _Stream:
                 self._timeout(deadline, what)
                 k = self.sock.recv_into(view[got:])
                 if k == 0:
-                    raise TransportError(f"{self.peer} closed the group link while {what}")
+                    raise TransportError(f"{self.peer} vanished: it closed the group link while {what}")
                 got += k
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"{self.peer} sent nothing while {what}: stopped or cut off") from exc
+            raise DeadlineExceeded(f"{self.peer} stalled: sent nothing while {what}") from exc
         except OSError as exc:
             if isinstance(exc, TransportError | DeadlineExceeded):
                 raise
-            raise TransportError(f"{self.peer}: link broken while {what}: {exc}") from exc
+            raise TransportError(f"{self.peer} vanished: link broken while {what}: {exc}") from exc
         return buf
 
     def send_message(self, msg: Any, tensor: Any, generation: int, deadline: float | None) -> None:
@@ -142,9 +144,13 @@ class _Stream:
 
 
 class _Sums:
-    """The part face and members share: the current step's tag, deadline and sum counter, and timings."""
+    """The part face and members share: the current step's tag, deadline and sum counter, and timings.
 
-    def __init__(self) -> None:
+    on_lost(slot) is called before an error on a peer's stream propagates: the runner says which runner it
+    lost (the controller blames that one, and placement avoids its machine when it looks cut off)."""
+
+    def __init__(self, on_lost: Callable[[int], None] = lambda slot: None) -> None:
+        self.on_lost = on_lost
         self.seq = -1
         self.index = 0
         self.deadline_s = 60.0
@@ -153,6 +159,14 @@ class _Sums:
         # heartbeat reports them; `bench tp` too).
         self.timings_us: dict[bool, deque[float]] = {True: deque(maxlen=4096), False: deque(maxlen=4096)}
         self.count = 0
+
+    @contextmanager
+    def _blame(self, stream: _Stream) -> Iterator[None]:
+        try:
+            yield
+        except (TransportError, DeadlineExceeded):
+            self.on_lost(stream.slot)
+            raise
 
     def begin(self, seq: int, deadline_s: float) -> None:
         """A step starts: its sums are tagged with seq, each waits at most deadline_s from now."""
@@ -198,9 +212,12 @@ class GroupFace(_Sums):
         size: int,
         listen: list[str],
         key: str | None,
+        member_slots: list[int] | None = None,
+        on_lost: Callable[[int], None] = lambda slot: None,
     ) -> None:
-        super().__init__()
+        super().__init__(on_lost)
         self.keys, self.stage, self.size, self.key = keys, stage, size, key
+        self.member_slots = member_slots or [-1] * (size - 1)
         self.server = socket.create_server((_host_of(listen), 0))
         host, port = self.server.getsockname()[:2]
         self.address = f"{host}:{port}"
@@ -239,7 +256,8 @@ class GroupFace(_Sums):
                 self.refused += 1
                 stream.close()
                 continue
-            stream.peer = f"stage {self.stage} member {member}"
+            stream.slot = self.member_slots[member - 1]
+            stream.peer = f"stage {self.stage} member {member} (runner {stream.slot})"
             found[member] = stream
         self.members = [found[j] for j in range(1, self.size)]
         self._queryable.undeclare()
@@ -270,7 +288,8 @@ class GroupFace(_Sums):
         if x is not None:
             msg = msg.model_copy(update={"tensor": frame.tensor_meta(x)})
         for s in self.members:
-            s.send_message(msg, x, self.keys.generation, deadline)
+            with self._blame(s):
+                s.send_message(msg, x, self.keys.generation, deadline)
 
     def reduce(self, x: mx.array) -> mx.array:
         started = time.perf_counter()
@@ -278,9 +297,11 @@ class GroupFace(_Sums):
         mx.eval(x)
         total = np.array(x if x.dtype == mx.float32 else x.astype(mx.float32))  # a copy: it is added to
         for s in self.members:  # member order: the same bits on every run
-            total += s.read_sum(self.seq, index, total, self.deadline)
+            with self._blame(s):
+                total += s.read_sum(self.seq, index, total, self.deadline)
         for s in self.members:
-            s.send_sum(self.seq, index, total, self.deadline)
+            with self._blame(s):
+                s.send_sum(self.seq, index, total, self.deadline)
         out = mx.array(total).astype(x.dtype)
         self._took(x, started)
         return out
@@ -307,8 +328,9 @@ class GroupMember(_Sums):
         key: str | None,
         timeout: float,
         abort: Callable[[], None] = lambda: None,
+        on_lost: Callable[[int], None] = lambda slot: None,
     ) -> None:
-        super().__init__()
+        super().__init__(on_lost)
         self.generation = keys.generation
         deadline = time.monotonic() + timeout
         address = self._find(session, group_key(keys, stage), deadline, abort)
@@ -317,7 +339,7 @@ class GroupMember(_Sums):
             sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
         except OSError as exc:
             raise TransportError(f"stage {stage} member {member}: face at {address} unreachable") from exc
-        self.face = _Stream(sock, f"the face of stage {stage}")
+        self.face = _Stream(sock, f"stage {stage}'s face (runner {stage})", slot=stage)
         nonce = bytes(self.face.read(NONCE_BYTES, deadline, "waiting for the face's greeting"))
         hello = m.GroupHello(instance=keys.instance, generation=keys.generation, stage=stage, member=member)
         hello = hello.model_copy(update={"mac": _mac(key, nonce, hello)})
@@ -336,7 +358,8 @@ class GroupMember(_Sums):
 
     def next_message(self) -> tuple[Any, np.ndarray | None]:
         """The next message the face forwarded (an idle wait: no deadline; a vanished face breaks it)."""
-        kind = self.face.read_kind(None, "waiting for the next step")
+        with self._blame(self.face):
+            kind = self.face.read_kind(None, "waiting for the next step")
         if kind != MESSAGE:
             raise frame.FrameError(f"a sum arrived between steps (kind {kind})")
         return self.face.read_message(time.monotonic() + 60.0)
@@ -346,8 +369,9 @@ class GroupMember(_Sums):
         index = self._next()
         mx.eval(x)
         part = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
-        self.face.send_sum(self.seq, index, part, self.deadline)
-        total = self.face.read_sum(self.seq, index, part, self.deadline)
+        with self._blame(self.face):
+            self.face.send_sum(self.seq, index, part, self.deadline)
+            total = self.face.read_sum(self.seq, index, part, self.deadline)
         out = mx.array(total).astype(x.dtype)
         self._took(x, started)
         return out

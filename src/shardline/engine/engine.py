@@ -21,6 +21,7 @@ import psutil
 from pydantic import Field
 
 from shardline.cluster.keys import ClusterKeys
+from shardline.cluster.parallelism import runner_slots
 from shardline.cluster.placement import footprint_from_dir, split_for_stages
 from shardline.compute import tensor_parallel
 from shardline.compute.shard import check_architecture
@@ -150,15 +151,10 @@ class Engine:
         """Every stage on this machine's agent, the layers split by placement's cost model (the head's stage
         gets fewer), so that equal cores take about equally long."""
         launches = []
-        stages = len(self._ranges)
-        for stage, (start, end) in enumerate(self._ranges):
-            spec, threads = self._spec_for(generation, stage, start, end)
+        for slot, (stage, member) in enumerate(runner_slots(len(self._ranges), self.config.tp)):
+            start, end = self._ranges[stage]
+            spec, threads = self._spec_for(generation, slot, start, end, member, stage if member else None)
             launches.append((agent_key, m.StartRunner(spec=spec, threads=threads)))
-        for stage, (start, end) in enumerate(self._ranges):  # the groups' other members, after the faces
-            for member in range(1, self.config.tp):
-                slot = stages + stage * (self.config.tp - 1) + member - 1
-                spec, threads = self._spec_for(generation, slot, start, end, member, stage)
-                launches.append((agent_key, m.StartRunner(spec=spec, threads=threads)))
         return launches
 
     def _spec_for(

@@ -213,6 +213,7 @@ class NodeAgent:
                 if k[0] == spec.instance
                 and k[1] < spec.generation
                 and (r.spec.layer_start, r.spec.layer_end) == (spec.layer_start, spec.layer_end)
+                and r.spec.group == spec.group == 1  # a group member serves its own group alone
                 and r.proc.poll() is None
             ]
             if not found:

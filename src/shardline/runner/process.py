@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from shardline.cluster.parallelism import runner_slots
 from shardline.compute import attention
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
@@ -128,8 +129,12 @@ class RunnerProcess:
         of each step goes through them."""
         spec = self.spec
         key = Credentials.from_env().key
+        slots = runner_slots(spec.stages, spec.group)
+        members = [slots.index((spec.ring, j)) for j in range(1, spec.group)]
         if spec.is_face:
-            face = GroupFace(self.session, self.keys, spec.ring, spec.group, spec.listen, key)
+            face = GroupFace(
+                self.session, self.keys, spec.ring, spec.group, spec.listen, key, members, self._lost
+            )
             face.admit(spec.load_timeout, abort=self._abort_wait)
             assert self.worker is not None
             self.worker.mirror = lambda msg, x=None: face.forward(msg, x, face.deadline_s)
@@ -138,8 +143,16 @@ class RunnerProcess:
             self.group = GroupMember(
                 self.session, self.keys, spec.ring, spec.member, key, spec.load_timeout, self._abort_wait
             )
+            self.group.on_lost = self._lost
         shard.join_group(self.group.reduce)
         self.group.begin(-1, self.policy.ceiling)  # the warm-up: not measured yet, err long
+
+    def _lost(self, slot: int) -> None:
+        """A group peer stopped answering or broke its stream: name it before this runner fails."""
+        try:
+            self.status.send(m.PeerLost(stage=self.spec.stage, peer=slot))
+        except Exception:
+            pass
 
     def rejoin(self, spec: RunnerSpec) -> None:
         """Serve a newer generation with the weights already loaded: new keys, no KV, a fresh warm-up."""

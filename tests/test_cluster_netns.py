@@ -65,7 +65,8 @@ def views():
         last = v
         say("view", term=v.term, master=v.master, nodes=[[n.node_id, n.alive] for n in v.nodes],
             instances=[{"instance": r.instance, "generation": r.generation, "phase": r.phase,
-                        "recoveries": r.recoveries, "stages": [s.node_id for s in r.stages]}
+                        "recoveries": r.recoveries, "stages": [s.node_id for s in r.stages],
+                        "members": [s.member for s in r.stages], "layout": r.layout}
                        for r in v.instances])
 
 threading.Thread(target=views, daemon=True).start()
@@ -87,7 +88,7 @@ for line in sys.stdin:
     try:
         if cmd["cmd"] == "place":
             request = PlacementRequest(sequences=2, reserve_tokens=512, hop_cost_fraction=0.0,
-                                       max_stages=cmd["stages"])
+                                       max_stages=cmd["stages"], tensor_parallel=cmd.get("tp"))
             reply = client.place("tiny-llama", request)
             rec = client.wait_ready(reply.instance.instance, cmd["timeout"])
             instance = rec.instance
@@ -479,6 +480,60 @@ def test_link_down_mid_generation_replaces_and_completes_then_the_node_rejoins_w
     assert again["tokens"] == expected[:30]
     last = client.events[client.view(lambda v: True, 5, "a fresh view", len(client.events))]
     assert [r["generation"] for r in last["instances"]] == [rec["generation"]], last
+
+
+@pytest.mark.timeout(240)
+def test_a_group_members_link_cut_mid_decode_fails_its_stage_within_the_deadline_and_recovers_exactly(
+    make_lab, reference
+):
+    """A stage of two runners on two machines (face k1, member k2); k2's cable is pulled mid-decode. The
+    face's sum waits the step's deadline, names the member, and the instance is rebuilt off k2 with the
+    text unchanged; with the cable back, k2's runner of the old generation is stopped."""
+    lab = make_lab("sltp", 4)
+    for i, node_id in enumerate(("k1", "k2", "k3")):
+        lab.node(i, node_id).wait_listening()
+    client = lab.client(3, via=["k1"])
+    client.view(lambda v: alive(v) == {"k1", "k2", "k3"} and v["master"] == "k1", 60, "k1-k3, k1 master")
+    client.send(cmd="place", stages=1, tp=2, timeout=60)
+    ready = client.event("ready", 90, "the group ready", cmd="place")
+    instance, generation, stages = ready["instance"], ready["generation"], ready["stages"]
+    assert stages == ["k1", "k2"], f"placed on {stages}"
+    victim = lab.nodes["k2"]
+    n = 600
+    prompt = random_prompt(20, seed=23)
+    expected = reference.greedy(prompt, n)[0]
+    client.send(cmd="submit", tag="long", prompt=prompt, max_tokens=n, timeout=90)
+    client.event("token", 60, "the 5th token", tag="long", i=4)
+    cut = len(client.events)
+    t_down = time.monotonic()
+    lab.net.link_down(victim.host)
+    done = client.event("done", 90, "the long request's end", tag="long")
+    assert done["tokens"] == expected, "the request's tokens differ from the reference"
+    replaced = client.view(
+        lambda v: any(
+            r["instance"] == instance and r["phase"] == "ready" and r["generation"] > generation
+            for r in v["instances"]
+        ),
+        30,
+        "the instance re-placed",
+        cut,
+    )
+    rec = next(r for r in client.events[replaced]["instances"] if r["instance"] == instance)
+    assert "k2" not in rec["stages"] and rec["recoveries"] >= 1, rec
+    tokens = [e for e in client.events if e["ev"] == "token" and e.get("tag") == "long"]
+    after = [e for e in tokens if e["t"] > t_down]
+    assert after, "no token after the cut"
+    resumed = after[0]["t"] - t_down
+    print(
+        f"\nlink of group member k2 cut after token 4: re-placed on {rec['stages']} "
+        f"ready {client.events[replaced]['t'] - t_down:.2f}s after, next token {resumed:.2f}s after"
+    )
+    # Cable back: k2's runner of the old generation is stopped (the view no longer lists it).
+    lab.net.link_up(victim.host)
+    deadline = time.monotonic() + 30
+    while left := [r for r in victim.runners() if r[0] == instance and r[1] <= generation]:
+        assert time.monotonic() < deadline, f"k2 still runs {left}\n{victim.tail()}"
+        time.sleep(0.05)  # polling the process table, bounded by the deadline
 
 
 def masters_by_term(*clients: Client) -> dict[int, set[str]]:

@@ -75,6 +75,7 @@ class InstanceState:
     failures: list[Failure] = field(default_factory=list)
     fault: str | None = None  # a lost message reported by a front, a node that left
     fault_stages: list[int] = field(default_factory=list)  # the stages that fault blames
+    witnesses: list[int] = field(default_factory=list)  # stages that reported losing a peer: not to blame
     failure: str | None = None  # why the instance gave up
     dropped: int = 0  # frames of other generations, unknown stages
 
@@ -114,6 +115,7 @@ def new_generation(state: InstanceState, now: float, stages: int | None = None, 
     state.started_at = now
     state.fault = None
     state.fault_stages = []
+    state.witnesses = []
     state.views = [StageView() for _ in range(state.stages)]
 
 
@@ -153,9 +155,15 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
         state.fault = state.fault or f"lost message: {msg.why}"
         return
     if isinstance(msg, m.PeerLost):
-        if state.fault is None and 0 <= msg.peer < len(state.views):
-            state.fault = f"stage {msg.peer} vanished: stage {msg.stage} lost its link to it"
-            state.fault_stages = [msg.peer]
+        if 0 <= msg.peer < len(state.views):
+            if state.fault is None:
+                state.fault = f"stage {msg.peer} vanished: stage {msg.stage} lost its link to it"
+            if msg.peer not in state.fault_stages:
+                state.fault_stages.append(msg.peer)
+            # A runner that lost its peer may fail next, of that loss: it is a witness, not a suspect (even
+            # when the loss was known already, from its node leaving the cluster).
+            if msg.stage not in state.witnesses and msg.stage != msg.peer:
+                state.witnesses.append(msg.stage)
         return
     assert stage is not None
     view = state.views[stage]
@@ -239,7 +247,7 @@ def _stage_problem(state: InstanceState, cfg: ControllerConfig, now: float, stag
 def suspects(state: InstanceState, cfg: ControllerConfig, now: float) -> list[int] | None:
     """The stages a failure blames; None when it blames no stage in particular (all are suspect)."""
     bad = {k for k in range(len(state.views)) if _stage_problem(state, cfg, now, k) is not None}
-    return sorted(bad | set(state.fault_stages)) or None
+    return sorted((bad - set(state.witnesses)) | set(state.fault_stages)) or None
 
 
 def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None:

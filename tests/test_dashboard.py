@@ -243,6 +243,8 @@ def test_place_with_preview_then_remove(cluster, page):
     page.locator("#place-preview").click()
     rows = page.locator('#place-result [data-fits="true"] tbody tr')
     expect(rows.first).to_contain_text("layers 0")
+    # Pipeline or tensor-parallel groups, and why, in numbers.
+    expect(page.locator('#place-result [data-role="layout"]')).to_contain_text("ms a token")
     expect(page.locator("#place-go")).to_be_enabled()
     page.locator("#place-go").click()
     expect(page.locator("#place-result")).to_contain_text("placed")
@@ -252,6 +254,7 @@ def test_place_with_preview_then_remove(cluster, page):
     card = page.locator(f'[data-instance="{new}"]')
     expect(card).to_be_visible()
     expect(card).to_have_attribute("data-phase", "ready", timeout=180_000)
+    expect(card.locator('[data-role="layout"]')).to_contain_text("pipeline")
     card.get_by_role("button", name=f"remove {new}").click()
     card.get_by_role("button", name="Confirm remove").click()
     expect(card).to_have_count(0, timeout=60_000)

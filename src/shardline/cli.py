@@ -23,6 +23,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--stages", type=int, default=2, help="pipeline stages, one local runner process each")
     p.add_argument(
+        "--tp", type=int, default=1, help="runners per stage: a tensor-parallel group of this size (1: none)"
+    )
+    p.add_argument(
         "--prefill-step",
         type=int,
         default=settings.default("prefill_step"),
@@ -50,6 +53,7 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
         stages=args.stages,
+        tp=positive(args.tp, "--tp"),
         prefill_step=args.prefill_step,
         step_timeout=args.step_timeout,
         prefix_cache=not args.no_prefix_cache,
@@ -377,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     btp.add_argument("--json", type=Path, default=None, help=JSON_HELP)
     btp.add_argument("--rounds", type=int, default=2, help="rounds of single, tp2, pp2, single")
-    btp.add_argument("--quick", action="store_true", help="a 4-layer model, one round: a smoke run")
+    btp.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
     btp.set_defaults(func=cmd_bench_tp)
     ba = bsub.add_parser("attention", help="a prefill chunk's attention: the runner's kernel against MLX's")
     ba.add_argument("--model", default=None, help=MODEL_HELP)

@@ -84,6 +84,7 @@ class Preview(BaseModel):
     fits: bool
     placement: Placement | None = None
     reason: str = ""
+    layout: str = ""  # pipeline stages or tensor-parallel groups, and why (with every candidate's figures)
 
 
 class Removed(BaseModel):
@@ -165,7 +166,7 @@ def router(service: Service) -> APIRouter:
             reply = await asyncio.to_thread(service.client.place, model, req, True)
         except ClusterError as exc:
             return Preview(model=model, fits=False, reason=str(exc))
-        return Preview(model=model, fits=True, placement=reply.placement)
+        return Preview(model=model, fits=True, placement=reply.placement, layout=reply.layout)
 
     @r.post(
         "/instances",

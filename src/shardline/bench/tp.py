@@ -14,14 +14,18 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import psutil
+
 from shardline.bench.machine import describe
 from shardline.engine.engine import Engine, EngineConfig
 from shardline.models.synth import SYNTH_INFO_FILE, SynthSpec, weight_sizes, write_synth_model
+from shardline.runner.spec import Fault
 
 # ~1.1B parameters: 24 layers of hidden 2048 and MLP 5632 (16 heads, 4 KV heads), 4-bit in groups of 32
 # with float32 scales (~690 MB): one decode step reads the weights once, which takes tens of ms on a core.
@@ -34,6 +38,7 @@ DECODE_PROMPT = 32
 DECODE_TOKENS = 32
 CHECK_PROMPTS = 8
 CHECK_TOKENS = 16
+FAULT_TOKENS = 12
 TARGETS = {
     "decode_ratio_tp2_vs_single": ">= 1.6",
     "prefill_ratio_tp2_vs_single": ">= 1.7",
@@ -63,19 +68,6 @@ def _prompt(n: int, vocab: int, offset: int) -> list[int]:
     return [(offset + 7919 * i) % (vocab - 1000) + 500 for i in range(n)]
 
 
-def _engine(model_dir: Path, stages: int, tp: int) -> Engine:
-    config = EngineConfig(
-        model_dir=model_dir,
-        stages=stages,
-        tp=tp,
-        prefill_step=PREFILL_STEP,
-        pin_cpus=True,
-        load_timeout=600.0,
-        prefix_cache=False,  # every run computes its whole prompt
-    )
-    return Engine(config).start()
-
-
 def _run(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
     start = time.perf_counter()
     stamps, tokens = [], []
@@ -96,9 +88,63 @@ def _outputs(engine: Engine, vocab: int) -> list[list[int]]:
     return [_run(engine, _prompt(40 + 9 * k, vocab, 100 + k), CHECK_TOKENS)[1] for k in range(CHECK_PROMPTS)]
 
 
+def _engine_with(model_dir: Path, stages: int, tp: int, faults: dict[int, Fault] | None = None) -> Engine:
+    config = EngineConfig(
+        model_dir=model_dir,
+        stages=stages,
+        tp=tp,
+        prefill_step=PREFILL_STEP,
+        pin_cpus=True,
+        load_timeout=600.0,
+        prefix_cache=False,  # every run computes its whole prompt
+        faults=faults or {},
+    )
+    return Engine(config).start()
+
+
+def _stopped_or_gone(pid: int, timeout: float) -> float:
+    """When the process stopped or ended (monotonic), polled every few ms: a fault's own moment."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+                return time.monotonic()
+        except psutil.NoSuchProcess:
+            return time.monotonic()
+        time.sleep(0.005)  # the poll period: the figure's resolution
+    raise RuntimeError(f"process {pid} never stopped within {timeout:.0f}s")
+
+
+def _detection(model_dir: Path, vocab: int, action: str, phase: str, expected: list[int]) -> dict:
+    """The group's member stops (SIGSTOP) or dies (SIGKILL) inside a step of the prompt's second chunk or
+    of its third decode step: seconds until the instance named the failure and until it served again, and
+    whether the request's text is the undisturbed one."""
+    # Steps the member counted before: the ring's warm-up (2), the prompt's chunks (2), decode steps.
+    fault = Fault(phase=phase, action=action, after_steps=3 if phase == "prefill" else 6)
+    with _engine_with(model_dir, 1, 2, {1: fault}) as engine:
+        member = engine.runner_pids()[1]
+        watch: dict[str, float] = {}
+        watcher = threading.Thread(target=lambda: watch.update(t0=_stopped_or_gone(member, 600)))
+        watcher.start()
+        tokens = engine.submit(_prompt(PROMPT, vocab, 7), max_tokens=len(expected)).tokens(timeout=900)
+        watcher.join(timeout=600)
+        if not engine.wait_recovered(1, 300) or "t0" not in watch:
+            raise RuntimeError(f"no recovery after {action} of the member in {phase}")
+        failure = engine.recoveries[0]
+        assert failure.recovered_at is not None
+        return {
+            "signal": action.upper(),
+            "phase": phase,
+            "detected_s": round(failure.detected_at - watch["t0"], 2),
+            "serving_again_s": round(failure.recovered_at - watch["t0"], 2),
+            "why": failure.why[:160],
+            "text_exact": int(tokens == expected),
+        }
+
+
 def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, quick: bool = False) -> dict:
-    if quick:
-        spec = replace(spec, layers=4)
+    if quick:  # a smoke run: every code path, a model of seconds
+        spec = replace(spec, layers=2, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=1024)
         rounds = 1
     model_dir = synth_model(spec)
     vocab = spec.vocab
@@ -109,19 +155,21 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
     sums: dict[str, tuple[float, float]] = {}
     for r in range(rounds):
         print(f"bench tp: round {r + 1} of {rounds}", file=sys.stderr)
-        with _engine(model_dir, 1, 1) as engine:
+        with _engine_with(model_dir, 1, 1) as engine:
             single = [_figures(engine, vocab)]
-            reference = _outputs(engine, vocab) if r == 0 else []
-        with _engine(model_dir, 1, 2) as engine:
+            if r == 0:
+                reference = _outputs(engine, vocab)
+                fault_text = _run(engine, _prompt(PROMPT, vocab, 7), FAULT_TOKENS)[1]
+        with _engine_with(model_dir, 1, 2) as engine:
             tp2 = _figures(engine, vocab)
             if r == 0:
                 got = _outputs(engine, vocab)
                 mismatched = sum(a != b for a, b in zip(got, reference, strict=True))
             face = engine.fresh_heartbeats(30)[0]
             sums = {"decode": face.sum_us_decode, "chunk": face.sum_us_chunk}
-        with _engine(model_dir, 2, 1) as engine:
+        with _engine_with(model_dir, 2, 1) as engine:
             pp2 = _figures(engine, vocab)
-        with _engine(model_dir, 1, 1) as engine:
+        with _engine_with(model_dir, 1, 1) as engine:
             single.append(_figures(engine, vocab))
         base = {k: statistics.mean(s[k] for s in single) for k in single[0]}
         for name, figures in (("single", base), ("tp2", tp2), ("pp2", pp2)):
@@ -157,6 +205,11 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
         "member's lateness, the add; 2 sums a layer"
     )
     result["raw"] = {k: round(statistics.median(v), 3) for k, v in raws.items()}
+    result["member_faults"] = [
+        _detection(model_dir, vocab, action, phase, fault_text)
+        for phase in ("decode", "prefill")
+        for action in ("sigstop", "sigkill")
+    ]
     print(report(result))
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -178,4 +231,9 @@ def report(r: dict) -> str:
         f"pp2 {raw['pp2_decode_tps']:.2f}; prefill single {raw['single_prefill_tps']:.1f}, "
         f"tp2 {raw['tp2_prefill_tps']:.1f}, pp2 {raw['pp2_prefill_tps']:.1f}"
     )
+    for f in r["member_faults"]:
+        lines.append(
+            f"  {f['signal']} of the member in {f['phase']}: detected after {f['detected_s']} s, serving "
+            f"again after {f['serving_again_s']} s, text exact: {bool(f['text_exact'])} ({f['why']})"
+        )
     return "\n".join(lines)

@@ -58,18 +58,26 @@ const GENERATION_SPAN = 1 << 20;
 const generationLabel = (g) => (g >= GENERATION_SPAN ? `${Math.floor(g / GENERATION_SPAN)}.${g % GENERATION_SPAN}` : `${g}`);
 const PHASE_TONE = { ready: "ok", recovering: "warn", failed: "bad", weights: "busy", loading: "busy", warming: "busy", placed: "busy", starting: "busy" };
 
+// A runner's stage: its own slot for a pipeline stage or a group's face, its face's for another member
+// (a tensor-parallel group shares its stage's layers, 1/k of each).
+function ringStage(st, k) {
+  return st.ring === null || st.ring === undefined ? k : st.ring;
+}
+
 function stageBand(st, k, total) {
   const copying = st.phase === "weights" && st.weights_total > 0;
   const pct = copying ? Math.floor((100 * st.weights_done) / st.weights_total) : 0;
+  const stage = ringStage(st, k);
+  const name = st.member ? `stage ${stage} · member ${st.member}` : `stage ${stage}`;
   return h(
     "div",
     {
       class: "band",
       "data-stage": k,
-      style: `--c:${stageColor(k)};flex-grow:${st.end - st.start}`,
-      title: `stage ${k}: ${layers(st.start, st.end)} of ${total}, ${phaseLabel(st.phase)}`,
+      style: `--c:${stageColor(stage)};flex-grow:${st.end - st.start}`,
+      title: `${name}: ${layers(st.start, st.end)} of ${total}, ${phaseLabel(st.phase)}`,
     },
-    h("span", { class: "band-name" }, `stage ${k}`),
+    h("span", { class: "band-name" }, name),
     h("span", { class: "band-range", "data-role": "range" }, layers(st.start, st.end)),
     h("span", { class: `band-phase ${PHASE_TONE[st.phase] || ""}` }, copying ? `copying weights ${pct}%` : phaseLabel(st.phase)),
     copying ? h("span", { class: "progress", style: `width:${pct}%` }) : null,
@@ -88,7 +96,7 @@ function picture(inst, nodesById) {
   const strip = h(
     "div",
     { class: "strip", "aria-hidden": "true" },
-    inst.stages.map((st, k) => h("span", { style: `--c:${stageColor(k)};flex-grow:${st.end - st.start}` })),
+    inst.stages.filter((st) => !st.member).map((st, k) => h("span", { style: `--c:${stageColor(k)};flex-grow:${st.end - st.start}` })),
   );
   const boxes = order.map((b, i) => {
     const node = nodesById.get(b.node);
@@ -108,7 +116,10 @@ function picture(inst, nodesById) {
       ),
     ];
   });
-  return h("div", { class: "picture" }, strip, h("div", { class: "boxes" }, boxes), h("p", { class: "small" }, `${total} layers in ${inst.stages.length} stage${inst.stages.length === 1 ? "" : "s"}`));
+  const stages = inst.stages.filter((st) => !st.member).length;
+  const group = stages ? inst.stages.length / stages : 1;
+  const shape = group > 1 ? `, each a tensor-parallel group of ${group}` : "";
+  return h("div", { class: "picture" }, strip, h("div", { class: "boxes" }, boxes), h("p", { class: "small" }, `${total} layers in ${stages} stage${stages === 1 ? "" : "s"}${shape}`));
 }
 
 function figure(name, label, value, series, title = null) {
@@ -166,7 +177,7 @@ export function renderInstances(container, state, { onRemove }) {
     }
     card.dataset.phase = inst.phase;
     const [head, pic, live] = card.children;
-    swap(head, JSON.stringify([inst.model, inst.phase, inst.generation, inst.recoveries, inst.why, inst.weight_format]), () => [
+    swap(head, JSON.stringify([inst.model, inst.phase, inst.generation, inst.recoveries, inst.why, inst.weight_format, inst.layout]), () => [
       h(
         "header",
         {},
@@ -177,6 +188,8 @@ export function renderInstances(container, state, { onRemove }) {
         removeButton(inst.instance, onRemove),
       ),
       inst.why && inst.phase !== "ready" ? h("p", { class: "why" }, inst.why) : null,
+      // Pipeline or groups, and why: the reason in a line, every candidate's figures on hover.
+      inst.layout ? h("p", { class: "small layout", "data-role": "layout", title: inst.layout }, inst.layout.split(". Candidates:")[0]) : null,
     ].filter(Boolean));
     const alive = inst.stages.map((st) => nodesById.get(st.node_id)?.alive);
     swap(pic, JSON.stringify([inst.stages, alive]), () => picture(inst, nodesById));

@@ -82,6 +82,7 @@ export class Placer {
             ),
           ),
           h("p", { class: "small" }, `KV for ${pl.sequences} × ${pl.reserve_tokens} tokens${pl.unused_nodes.length ? ` · unused: ${pl.unused_nodes.join(", ")}` : ""}`),
+          p.layout ? h("p", { class: "small layout", "data-role": "layout" }, p.layout) : null,
         ),
       );
       this.previewed = JSON.stringify(q);

@@ -2,54 +2,22 @@
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
 
 from shardline.bench.scale import BENCH_SPEC, REQUEST, _nodes_report, kv_bytes, node_limit
 from shardline.cluster.placement import (
-    LAYER_OVERHEAD_BYTES,
-    ModelFootprint,
     NodeCapacity,
     PlacementError,
     PlacementRequest,
     footprint_from_dir,
     place,
 )
-from shardline.models.synth import DTYPES, SynthSpec, plan, stored, weight_sizes, write_synth_model
+from shardline.models.synth import SynthSpec, weight_sizes, write_synth_model
+from shardline.models.synth import footprint as synth_footprint
 
 pytestmark = pytest.mark.timeout(300)
-
-_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4}
-
-
-def _footprint(spec: SynthSpec) -> ModelFootprint:
-    """What footprint_from_dir reads from a written model, from the spec alone (no GBs written in a test)."""
-    layers, embed, head = [0] * spec.layers, 0, 0
-    for t in plan(spec):
-        n = sum(math.prod(shape) * _BYTES[dtype] for _, dtype, shape in stored(spec, t))
-        if t.name.startswith("model.layers."):
-            layers[int(t.name.split(".")[2])] += n
-        elif t.name.startswith("model.embed_tokens."):
-            embed += n
-        else:
-            head += n
-    return ModelFootprint(
-        name="synth",
-        layers=spec.layers,
-        layer_bytes=layers,
-        embed_bytes=embed,
-        head_bytes=head,
-        tied=spec.tied,
-        # The cache takes the activations' dtype: a quantized model's scales' (float32 scales: 4 bytes).
-        kv_bytes_per_token_per_layer=2 * spec.kv_heads * spec.head_dim * DTYPES[spec.dtype][2],
-        context_length=spec.context,
-        hidden_size=spec.hidden,
-        vocab_size=spec.vocab,
-        weight_format=f"mlx {spec.bits}-bit g{spec.group_size}" if spec.bits else spec.dtype,
-        layer_overhead_bytes=LAYER_OVERHEAD_BYTES,
-    )
 
 
 @pytest.mark.parametrize("bits,dtype", [(4, "float16"), (4, "float32"), (0, "float32"), (8, "bfloat16")])
@@ -58,13 +26,13 @@ def test_the_footprint_helper_matches_a_written_model(tmp_path, bits, dtype):
         layers=3, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=320, bits=bits, dtype=dtype
     )
     written = footprint_from_dir(write_synth_model(tmp_path / "m", spec))
-    assert written.model_copy(update={"name": "synth"}) == _footprint(spec)
+    assert written.model_copy(update={"name": "synth"}) == synth_footprint(spec)
 
 
 @pytest.mark.parametrize("bits,dtype", [(4, "float32"), (0, "float32"), (8, "float16")])
 def test_no_single_node_admits_the_bench_model_and_three_nodes_do(bits, dtype):
     spec = SynthSpec(**{**BENCH_SPEC.__dict__, "bits": bits, "dtype": dtype})
-    fp = _footprint(spec)
+    fp = synth_footprint(spec)
     limit = node_limit(fp, REQUEST, nodes=3)
     assert fp.weight_bytes > limit  # model_bytes > largest_node_limit_bytes
     assert limit == int(0.5 * fp.weight_bytes) + kv_bytes(fp, REQUEST) + REQUEST.activation_bytes
@@ -78,7 +46,7 @@ def test_no_single_node_admits_the_bench_model_and_three_nodes_do(bits, dtype):
 
 
 def test_limits_that_would_not_prove_anything_are_refused():
-    fp = _footprint(SynthSpec(**{**BENCH_SPEC.__dict__, "bits": 4, "dtype": "float16", "layers": 8}))
+    fp = synth_footprint(SynthSpec(**{**BENCH_SPEC.__dict__, "bits": 4, "dtype": "float16", "layers": 8}))
     # A small model: its KV and activation headroom alone pass half its weights.
     with pytest.raises(ValueError, match="not below the weights"):
         node_limit(fp, REQUEST)

@@ -205,6 +205,20 @@ class Client:
             self.proc.wait(timeout=timeout)
 
 
+def wait_replaced(client: Client, instance: str, generation: int, since: int) -> tuple[int, dict[str, Any]]:
+    """The first view from `since` on with the instance ready on a newer generation, and its record there."""
+    replaced = client.view(
+        lambda v: any(
+            r["instance"] == instance and r["phase"] == "ready" and r["generation"] > generation
+            for r in v["instances"]
+        ),
+        30,
+        "the instance re-placed",
+        since,
+    )
+    return replaced, next(r for r in client.events[replaced]["instances"] if r["instance"] == instance)
+
+
 def alive(ev: dict[str, Any]) -> set[str]:
     return {n for n, up in ev["nodes"] if up}
 
@@ -429,16 +443,7 @@ def test_link_down_mid_generation_replaces_and_completes_then_the_node_rejoins_w
     print(f"\nlink down of {victim.node_id} (stage 1) after token 4: shown not alive after {detected:.2f}s")
     done = client.event("done", 90, "the long request's end", tag="long")
     assert done["tokens"] == expected, "the request's tokens differ from the reference"
-    replaced = client.view(
-        lambda v: any(
-            r["instance"] == instance and r["phase"] == "ready" and r["generation"] > generation
-            for r in v["instances"]
-        ),
-        30,
-        "the instance re-placed",
-        cut,
-    )
-    rec = next(r for r in client.events[replaced]["instances"] if r["instance"] == instance)
+    replaced, rec = wait_replaced(client, instance, generation, cut)
     assert victim.node_id not in rec["stages"] and rec["recoveries"] >= 1, rec
     tokens = [e for e in client.events if e["ev"] == "token" and e.get("tag") == "long"]
     after = [e for e in tokens if e["t"] > t_down]
@@ -509,16 +514,7 @@ def test_a_group_members_link_cut_mid_decode_fails_its_stage_within_the_deadline
     lab.net.link_down(victim.host)
     done = client.event("done", 90, "the long request's end", tag="long")
     assert done["tokens"] == expected, "the request's tokens differ from the reference"
-    replaced = client.view(
-        lambda v: any(
-            r["instance"] == instance and r["phase"] == "ready" and r["generation"] > generation
-            for r in v["instances"]
-        ),
-        30,
-        "the instance re-placed",
-        cut,
-    )
-    rec = next(r for r in client.events[replaced]["instances"] if r["instance"] == instance)
+    replaced, rec = wait_replaced(client, instance, generation, cut)
     assert "k2" not in rec["stages"] and rec["recoveries"] >= 1, rec
     tokens = [e for e in client.events if e["ev"] == "token" and e.get("tag") == "long"]
     after = [e for e in tokens if e["t"] > t_down]

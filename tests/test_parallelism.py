@@ -9,49 +9,16 @@ import pytest
 from shardline.bench.tp import BENCH_SPEC
 from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, Choice, Link, choose, estimate
 from shardline.cluster.placement import (
-    LAYER_OVERHEAD_BYTES,
     ModelFootprint,
     NodeCapacity,
     PlacementRequest,
     footprint_from_dir,
     place,
 )
-from shardline.models.synth import SynthSpec, _nbytes, plan, stored
+from shardline.models.synth import footprint as synth_footprint
 
 SLOW_LINK = Link(rtt_s=3e-3, bytes_per_s=30e6)  # a busy Wi-Fi
 READ = 10e9  # bytes/s: this machine's single-core read bandwidth, about
-
-
-def synth_footprint(spec: SynthSpec) -> ModelFootprint:
-    """The bench's synthetic llama as placement sees it, from its tensor plan (no weights written)."""
-    layer_bytes = [0] * spec.layers
-    embed = head = 0
-    for t in plan(spec):
-        size = sum(_nbytes(dtype, shape) for _, dtype, shape in stored(spec, t))
-        if t.name.startswith("model.layers."):
-            layer_bytes[int(t.name.split(".")[2])] += size
-        elif t.name.startswith("model.embed_tokens"):
-            embed += size
-        else:
-            head += size
-    return ModelFootprint(
-        name="synth",
-        layers=spec.layers,
-        layer_bytes=layer_bytes,
-        embed_bytes=embed,
-        head_bytes=head,
-        tied=spec.tied,
-        kv_bytes_per_token_per_layer=2 * spec.kv_heads * spec.head_dim * 4,
-        context_length=spec.context,
-        hidden_size=spec.hidden,
-        vocab_size=spec.vocab,
-        layer_overhead_bytes=LAYER_OVERHEAD_BYTES,
-        heads=spec.heads,
-        kv_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate,
-        quant_group=spec.group_size if spec.bits else 0,
-    )
 
 
 def nodes(n: int, gb: float = 8.0) -> list[NodeCapacity]:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -136,6 +137,42 @@ def stored(spec: SynthSpec, t: PlannedTensor) -> list[tuple[str, str, tuple[int,
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
+
+
+def footprint(spec: SynthSpec, name: str = "synth") -> Any:
+    """The ModelFootprint placement would read from the written model, from the spec alone (placement and
+    its tests reason about models of GBs without writing them)."""
+    from shardline.cluster.placement import LAYER_OVERHEAD_BYTES, ModelFootprint
+
+    layers, embed, head = [0] * spec.layers, 0, 0
+    for t in plan(spec):
+        n = sum(_nbytes(dtype, shape) for _, dtype, shape in stored(spec, t))
+        if t.name.startswith("model.layers."):
+            layers[int(t.name.split(".")[2])] += n
+        elif t.name.startswith("model.embed_tokens."):
+            embed += n
+        else:
+            head += n
+    return ModelFootprint(
+        name=name,
+        layers=spec.layers,
+        layer_bytes=layers,
+        embed_bytes=embed,
+        head_bytes=head,
+        tied=spec.tied,
+        # The cache takes the activations' dtype: a quantized model's scales' (float32 scales: 4 bytes).
+        kv_bytes_per_token_per_layer=2 * spec.kv_heads * spec.head_dim * DTYPES[spec.dtype][2],
+        context_length=spec.context,
+        hidden_size=spec.hidden,
+        vocab_size=spec.vocab,
+        weight_format=f"mlx {spec.bits}-bit g{spec.group_size}" if spec.bits else spec.dtype,
+        layer_overhead_bytes=LAYER_OVERHEAD_BYTES,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate,
+        quant_group=spec.group_size if spec.bits else 0,
+    )
 
 
 def config(spec: SynthSpec) -> dict:

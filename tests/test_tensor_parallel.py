@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -13,6 +14,7 @@ from conftest import STEP, assert_no_runner_left, random_prompt, runner_pids, wa
 
 from shardline.compute import tensor_parallel
 from shardline.compute.shard import load_shard
+from shardline.models.synth import SynthSpec, write_synth_model
 from shardline.testing.reference import Reference
 
 MAX_TOKENS = 8
@@ -38,17 +40,39 @@ class _ThreadSum:
 
         return call
 
+    def gather(self, member: int) -> Callable[[mx.array], mx.array]:
+        def call(x: mx.array) -> mx.array:
+            mx.eval(x)
+            self.parts[member] = np.array(x)
+            self.barrier.wait(timeout=30)
+            whole = np.concatenate(self.parts, axis=-1)
+            self.barrier.wait(timeout=30)
+            return mx.array(whole)
+
+        return call
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A synthetic llama with its own output head (which splits by vocabulary rows), 4-bit."""
+    spec = SynthSpec(
+        layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, vocab=512, bits=4, dtype="float32"
+    )
+    return write_synth_model(tmp_path_factory.mktemp("untied") / "m", spec)
+
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2-q8g32"])
-def test_member_slices_sum_to_the_whole_layer(tiny_models, tiny_quantized_models, arch):
-    model = tiny_quantized_models.get(arch) or tiny_models[arch]
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2-q8g32", "untied-q4"])
+def test_member_slices_sum_to_the_whole_layer(tiny_models, tiny_quantized_models, untied, arch):
+    model = untied if arch == "untied-q4" else tiny_quantized_models.get(arch) or tiny_models[arch]
     whole = load_shard(model)
     size = 2
     members = [load_shard(model, member=r, group=size) for r in range(size)]
     sums = _ThreadSum(size)
     for r, shard in enumerate(members):
-        shard.join_group(sums.reduce(r))
+        shard.join_group(sums.reduce(r), sums.gather(r))
+    split = "lm_head" in whole.model
+    assert members[1].vocab_split == split  # an untied head splits by vocabulary rows
     # Each member holds its share of the heads: half the KV cache, half the attention and MLP weights.
     attn = members[1].layers[0].self_attn
     assert attn.n_heads * size == whole.layers[0].self_attn.n_heads
@@ -70,7 +94,9 @@ def test_member_slices_sum_to_the_whole_layer(tiny_models, tiny_quantized_models
             t.join(timeout=60)
         got = out[0]
         assert got is not None and got.shape == want.shape  # the face computes the head
-        assert out[1] is not None and out[1].shape[-1] == whole.hidden_size  # a member stops at the layers
+        assert out[1] is not None  # a member stops at the layers, or at its rows of a split head
+        # (in-process, the gather hands every member the whole logits)
+        assert out[1].shape[-1] == (want.shape[-1] if split else whole.hidden_size)
         rel = float(mx.abs(got - want).max() / mx.abs(want).max())
         assert rel < (2e-3 if "-q" in arch else 1e-4), f"logits differ by {rel:.2e} relative"
         assert int(mx.argmax(got)) == int(mx.argmax(want))
@@ -103,6 +129,11 @@ def test_groups_match_single_process(tiny_models, start_engine, stages, tp):
         want = ref.last_logits(prompt)
         rel = float(mx.abs(got[0].logits - want).max() / mx.abs(want).max())
         assert rel < 1e-4, f"prompt length {n}: last logits differ by {rel:.2e} relative"
+    # A prompt again: it starts after the blocks the first run sealed, on every member, with the same text.
+    prompt = random_prompt(3 * STEP + 7, seed=42)
+    again = engine.submit(prompt, max_tokens=MAX_TOKENS)
+    assert again.tokens(timeout=120) == ref.greedy(prompt, MAX_TOKENS)[0]
+    assert again.cached_tokens == 3 * STEP
     # Concurrent requests (batched decode rows) through the groups too.
     prompts = [random_prompt(5 + 11 * k, seed=70 + k) for k in range(3)]
     handles = [engine.submit(p, max_tokens=MAX_TOKENS) for p in prompts]

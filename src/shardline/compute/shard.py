@@ -84,7 +84,11 @@ class Shard:
         keep_embed = layers.is_first or (layers.is_last and self.tied and self.face)
         self.embed = getattr(inner, "embed_tokens", None) if keep_embed else None
         self.layers = list(inner.layers)
-        self.norm = inner.norm if layers.is_last and self.face else None
+        # An untied head splits by vocabulary rows across a last stage's group (split_head at load): each
+        # member computes its rows' logits, and the face gathers them (join_group's `gather`).
+        self.vocab_split = layers.is_last and "lm_head" in model and getattr(model, "vocab_split", False)
+        self.norm = inner.norm if layers.is_last and (self.face or self.vocab_split) else None
+        self.gather: tensor_parallel.Reduce | None = None
         self.hidden_size = int(config["hidden_size"])
         self.head_split = self._head_split()
         # Looked up once: finish_head runs on every sampled step of the first stage.
@@ -98,8 +102,12 @@ class Shard:
         """Whether this shard's output leaves the stage: the head's logits, or hidden states for the next."""
         return self.face
 
-    def join_group(self, reduce: tensor_parallel.Reduce) -> None:
-        """Each block's row-parallel products end in the group's sum (`reduce`), in both forward paths."""
+    def join_group(
+        self, reduce: tensor_parallel.Reduce, gather: tensor_parallel.Reduce | None = None
+    ) -> None:
+        """Each block's row-parallel products end in the group's sum (`reduce`), in both forward paths; a
+        split head's logits are joined by `gather` (members' rows after the face's, in member order)."""
+        self.gather = gather
         for block in self.layers:
             block.self_attn.o_proj = tensor_parallel.GroupSum(block.self_attn.o_proj, reduce)
             block.mlp.down_proj = tensor_parallel.GroupSum(block.mlp.down_proj, reduce)
@@ -174,7 +182,7 @@ class Shard:
             mask = create_attention_mask(h, cache[0])
             for layer, c in zip(self.layers, cache, strict=True):
                 h = layer(h, mask, cache=c)
-        if not self.range.is_last or not self.face:
+        if not self.range.is_last or not (self.face or self.vocab_split):
             return h
         return self.head(self.final_norm(h[:, -1, :]))[0]
 
@@ -187,7 +195,7 @@ class Shard:
         h = self.embed(x) if self.range.is_first else x
         by_layer = [[c[j] for c in caches] for j in range(len(self.layers))]
         h = decode_stack(self.layers, self.plans, h, by_layer)
-        if not self.range.is_last or not self.face:
+        if not self.range.is_last or not (self.face or self.vocab_split):
             return h
         return self.head(self.final_norm(h[:, -1, :]))
 
@@ -204,7 +212,10 @@ class Shard:
         and the upper part of the logits side by side (rows, D + vocab - split), for `finish_head`."""
         if not self.head_split:
             logits = self.embed.as_linear(h) if self.tied else self.model.lm_head(h)
-            return logits.astype(mx.float32)
+            logits = logits.astype(mx.float32)
+            if self.vocab_split and self.gather is not None:  # this member's rows; the face gets them all
+                logits = self.gather(logits)
+            return logits
         upper = self._head_rows(h, self.head_split, int(self.embed.weight.shape[0]))
         return mx.concatenate([h.astype(mx.float32), upper.astype(mx.float32)], axis=-1)
 
@@ -260,10 +271,15 @@ def load_shard(
     keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings and face)
     if not keep_embed:
         del inner.embed_tokens
-    if not layers.is_last or not face:
+    vocab = int(config.get("vocab_size") or 0)
+    vocab_split = group > 1 and layers.is_last and "lm_head" in model and vocab % group == 0
+    if not layers.is_last or not (face or vocab_split):
         del inner.norm
         if "lm_head" in model:
             del model.lm_head
+    if vocab_split:  # each member reads and computes its rows of the head (tensor_parallel.split_head)
+        tensor_parallel.split_head(model.lm_head, member, group)
+        model.vocab_split = True
     if partial:
         _check_partial(model, Path(model_dir), layers)
     module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])

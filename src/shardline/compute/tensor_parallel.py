@@ -30,11 +30,17 @@ def _quantized(linear: Any) -> bool:
     return "scales" in linear
 
 
+def _own(a: mx.array) -> mx.array:
+    """A slice as an array of its own: a strided view would keep the whole tensor alive (twice the memory)
+    and cost a copy at every product that needs it contiguous."""
+    return mx.contiguous(a)
+
+
 def _rows(linear: Any, start: int, stop: int) -> None:
     """Keep output rows [start, stop) of a linear layer (float or affine-quantized)."""
     for name in ("weight", "scales", "biases", "bias"):
         if name in linear:
-            linear[name] = linear[name][start:stop]
+            linear[name] = _own(linear[name][start:stop])
 
 
 def _columns(linear: Any, start: int, stop: int, keep_bias: bool) -> None:
@@ -44,12 +50,12 @@ def _columns(linear: Any, start: int, stop: int, keep_bias: bool) -> None:
         gs = linear.group_size
         if start % gs or stop % gs or start % per_word:
             raise GroupSumError(f"columns [{start}, {stop}) split quantization groups of {gs}")
-        linear["weight"] = linear["weight"][:, start // per_word : stop // per_word]
-        linear["scales"] = linear["scales"][:, start // gs : stop // gs]
+        linear["weight"] = _own(linear["weight"][:, start // per_word : stop // per_word])
+        linear["scales"] = _own(linear["scales"][:, start // gs : stop // gs])
         if "biases" in linear:
-            linear["biases"] = linear["biases"][:, start // gs : stop // gs]
+            linear["biases"] = _own(linear["biases"][:, start // gs : stop // gs])
     else:
-        linear["weight"] = linear["weight"][:, start:stop]
+        linear["weight"] = _own(linear["weight"][:, start:stop])
     if "bias" in linear and not keep_bias:
         linear.pop("bias")
 
@@ -93,6 +99,13 @@ def split_block(block: Any, rank: int, size: int) -> None:
     _rows(mlp.gate_proj, rank * part, (rank + 1) * part)
     _rows(mlp.up_proj, rank * part, (rank + 1) * part)
     _columns(mlp.down_proj, rank * part, (rank + 1) * part, keep_bias=rank == 0)
+
+
+def split_head(head: Any, rank: int, size: int) -> None:
+    """Keep member `rank`'s rows of an untied output head (vocabulary-parallel): its logits are a slice of
+    the whole, which the face gathers in member order."""
+    rows = int(head["weight"].shape[0]) // size
+    _rows(head, rank * rows, (rank + 1) * rows)
 
 
 class GroupSum(nn.Module):

@@ -144,7 +144,7 @@ class RunnerProcess:
                 self.session, self.keys, spec.ring, spec.member, key, spec.load_timeout, self._abort_wait
             )
             self.group.on_lost = self._lost
-        shard.join_group(self.group.reduce)
+        shard.join_group(self.group.reduce, self.group.gather)
         self.group.begin(-1, self.policy.ceiling)  # the warm-up: not measured yet, err long
 
     def _lost(self, slot: int) -> None:
@@ -250,7 +250,7 @@ class RunnerProcess:
 
     def _group_figures(self) -> dict[str, Any]:
         g = self.group
-        if not isinstance(g, GroupFace):
+        if g is None:
             return {}
         decode, chunk = g.percentiles(True), g.percentiles(False)
         return {"group_sums": g.count, "sum_us_decode": decode, "sum_us_chunk": chunk}

@@ -20,6 +20,7 @@ def test_bench_tp_quick_reports_every_figure(tmp_path: Path, monkeypatch: pytest
     for key in (*tp.TARGETS, "allreduce_us_p50", "allreduce_us_p99"):
         assert key in result, key
     assert result["tp_outputs_mismatched"] == 0
+    assert result["tp_logits_max_rel_diff"] < 1e-3
     assert 0 < result["allreduce_us_p50"] <= result["allreduce_us_p99"]
     assert [(f["signal"], f["phase"]) for f in result["member_faults"]] == [
         ("SIGSTOP", "decode"),

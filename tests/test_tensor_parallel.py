@@ -16,6 +16,7 @@ from shardline.compute import tensor_parallel
 from shardline.compute.shard import load_shard
 from shardline.models.synth import SynthSpec, write_synth_model
 from shardline.testing.reference import Reference
+from shardline.testing.tiny import make_tiny_model
 
 MAX_TOKENS = 8
 
@@ -176,3 +177,14 @@ def test_group_key_lives_under_its_generation():
     from shardline.dataplane.transport import Keys
 
     assert group_key(Keys("i1", 7), 2) == f"{Keys('i1', 7).root}/group/2"
+
+
+@pytest.mark.timeout(300)
+def test_an_8k_prompt_in_chunks_through_a_group_matches_single_process(tmp_path, start_engine):
+    model = make_tiny_model(tmp_path / "long", "llama", context=16384)
+    ref = Reference(model)
+    prompt = random_prompt(8 * 1024 + 5, seed=81)
+    expected, margins = ref.greedy(prompt, 6)
+    assert min(margins) > 1e-3, f"reference has a near-tied logit (margins {margins})"
+    engine = start_engine(model, 1, tp=2, prefill_step=512)
+    assert engine.submit(prompt, max_tokens=6).tokens(timeout=240) == expected

@@ -6,10 +6,11 @@ with their input, releases, evictions, stop) and, inside a step, the group's sum
 partial sums. Each sum is tagged with its step and its index within the step, and checked.
 
 The face adds the partials in member order, ((p0 + p1) + p2) + ..., and returns that total to every
-member: every member holds the same bits, and a run is reproducible. Every wait has the step's deadline
-(work-scaled, as every step's): a member that is stopped, killed or cut off is named within it
-(DeadlineExceeded, or TransportError when its stream breaks) and the stage fails like any other. Idle waits
-(a member between steps) have none; a face that vanishes breaks the stream.
+member: every member holds the same bits, and a run is reproducible. A group of two exchanges its partials
+both ways at once (full duplex) and each side adds p0 + p1: the same bits, in one trip instead of two.
+Every wait has the step's deadline (work-scaled, as every step's): a member that is stopped, killed or cut
+off is named within it (DeadlineExceeded, or TransportError when its stream breaks) and the stage fails like
+any other. Idle waits (a member between steps) have none; a face that vanishes breaks the stream.
 
 A member proves itself with an HMAC of the face's nonce under the cluster key (when there is one), so a
 process that is not one of the group's members cannot join it or feed it sums.
@@ -119,6 +120,50 @@ class _Stream:
             raise TransportError(f"{self.peer} vanished: link broken while {what}: {exc}") from exc
         return buf
 
+    def exchange(self, seq: int, index: int, x: np.ndarray, deadline: float) -> np.ndarray:
+        """Send our sum (seq, index) and read the peer's at once, full duplex: neither side waits for the
+        other's whole frame before sending its own, so partials larger than the sockets' buffers cannot
+        deadlock, and a small one costs one trip, not a round trip."""
+        payload = memoryview(np.ascontiguousarray(x, dtype=np.float32)).cast("B")
+        out = memoryview(_KIND.pack(SUM) + _SUM.pack(seq, index, payload.nbytes) + payload.tobytes())
+        what = f"exchanging sum {index} of step {seq}"
+        head = _KIND.size + _SUM.size
+        buf = bytearray(head + payload.nbytes)
+        view, got = memoryview(buf), 0
+        both = select.poll()
+        both.register(self.sock, select.POLLIN | select.POLLOUT)
+        spin_until = time.perf_counter() + SPIN_S
+        try:
+            while out or got < len(buf):
+                moved = False
+                if out:
+                    try:
+                        out = out[self.sock.send(out) :]
+                        moved = True
+                    except BlockingIOError:
+                        pass
+                if got < len(buf):
+                    try:
+                        k = self.sock.recv_into(view[got:])
+                        if k == 0:
+                            raise TransportError(f"{self.peer} vanished: it closed the link while {what}")
+                        got += k
+                        moved = True
+                    except BlockingIOError:
+                        pass
+                if moved or time.perf_counter() < spin_until:
+                    continue
+                wanted = (select.POLLIN if got < len(buf) else 0) | (select.POLLOUT if out else 0)
+                both.modify(self.sock, wanted)
+                left = deadline - time.monotonic()
+                if left <= 0 or not both.poll(left * 1000):
+                    raise DeadlineExceeded(f"{self.peer} stalled: nothing moved while {what}")
+        except OSError as exc:
+            if isinstance(exc, TransportError | DeadlineExceeded):
+                raise
+            raise TransportError(f"{self.peer} vanished: link broken while {what}: {exc}") from exc
+        return self._parse_sum(buf, seq, index, x)
+
     def send_message(self, msg: Any, tensor: Any, generation: int, deadline: float | None) -> None:
         data = frame.encode(msg, tensor, generation)
         self.send([_KIND.pack(MESSAGE), _MESSAGE.pack(len(data)), data], deadline, f"sending {msg.kind}")
@@ -140,8 +185,11 @@ class _Stream:
     def read_sum(self, seq: int, index: int, like: np.ndarray, deadline: float) -> np.ndarray:
         """The sum (seq, index), shaped like `like`: header and payload in one read (the size is known)."""
         what = f"waiting for sum {index} of step {seq}"
+        buf = self.read(_KIND.size + _SUM.size + like.nbytes, deadline, what)
+        return self._parse_sum(buf, seq, index, like)
+
+    def _parse_sum(self, buf: bytearray, seq: int, index: int, like: np.ndarray) -> np.ndarray:
         head = _KIND.size + _SUM.size
-        buf = self.read(head + like.nbytes, deadline, what)
         kind = buf[0]
         got_seq, got_index, n = _SUM.unpack_from(buf, _KIND.size)
         if kind != SUM or (got_seq, got_index) != (seq, index) or n != like.nbytes:
@@ -310,6 +358,13 @@ class GroupFace(_Sums):
         index = self._next()
         mx.eval(x)  # the partial itself: its compute is not the sum's time
         started = time.perf_counter()
+        if len(self.members) == 1:  # a pair: both send their partial, both add p0 + p1 (the same bits)
+            own = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+            with self._blame(self.members[0]):
+                other = self.members[0].exchange(self.seq, index, own, self.deadline)
+            out = mx.array(own + other).astype(x.dtype)
+            self._took(x, started)
+            return out
         total = np.array(x if x.dtype == mx.float32 else x.astype(mx.float32))  # a copy: it is added to
         for s in self.members:  # member order: the same bits on every run
             with self._blame(s):
@@ -354,6 +409,7 @@ class GroupMember(_Sums):
         keys: Keys,
         stage: int,
         member: int,
+        size: int,
         key: str | None,
         timeout: float,
         abort: Callable[[], None] = lambda: None,
@@ -361,6 +417,7 @@ class GroupMember(_Sums):
     ) -> None:
         super().__init__(on_lost)
         self.generation = keys.generation
+        self.pair = size == 2  # with one other member, sums are exchanged both ways at once
         deadline = time.monotonic() + timeout
         address = self._find(session, group_key(keys, stage), deadline, abort)
         host, port = address.rsplit(":", 1)
@@ -399,8 +456,12 @@ class GroupMember(_Sums):
         started = time.perf_counter()
         part = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
         with self._blame(self.face):
-            self.face.send_sum(self.seq, index, part, self.deadline)
-            total = self.face.read_sum(self.seq, index, part, self.deadline)
+            if self.pair:
+                # p0 + p1, as the face adds them
+                total = self.face.exchange(self.seq, index, part, self.deadline) + part
+            else:
+                self.face.send_sum(self.seq, index, part, self.deadline)
+                total = self.face.read_sum(self.seq, index, part, self.deadline)
         out = mx.array(total).astype(x.dtype)
         self._took(x, started)
         return out

@@ -141,7 +141,14 @@ class RunnerProcess:
             self.group: GroupFace | GroupMember | None = face
         else:
             self.group = GroupMember(
-                self.session, self.keys, spec.ring, spec.member, key, spec.load_timeout, self._abort_wait
+                self.session,
+                self.keys,
+                spec.ring,
+                spec.member,
+                spec.group,
+                key,
+                spec.load_timeout,
+                self._abort_wait,
             )
             self.group.on_lost = self._lost
         shard.join_group(self.group.reduce, self.group.gather)

@@ -45,7 +45,7 @@ _SUM = struct.Struct("<qiQ")  # step seq, index within the step, payload bytes
 MESSAGE, SUM = 0, 1
 NONCE_BYTES = 16
 MAX_FRAME = 1 << 34  # far above any step's input, below what a length field could claim to wedge us
-SPIN_S = 300e-6  # a read polls this long before it sleeps in poll(): see _Stream
+SPIN_S = 1e-3  # a read polls this long before it sleeps in poll(): see _Stream
 
 
 def group_key(keys: Keys, stage: int) -> str:
@@ -254,6 +254,12 @@ class _Sums:
         return (xs[len(xs) // 2], xs[min(len(xs) - 1, int(len(xs) * 0.99))])
 
 
+def _like(total: np.ndarray, x: mx.array) -> mx.array:
+    """The sum as an MLX array of the partial's dtype (no cast op when it is float32 already)."""
+    out = mx.array(total)
+    return out if x.dtype == mx.float32 else out.astype(x.dtype)
+
+
 def _host_of(listen: list[str]) -> str:
     """The address this runner's zenoh listens on (its node's): where its members can reach it."""
     for endpoint in listen:
@@ -362,7 +368,7 @@ class GroupFace(_Sums):
             own = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
             with self._blame(self.members[0]):
                 other = self.members[0].exchange(self.seq, index, own, self.deadline)
-            out = mx.array(own + other).astype(x.dtype)
+            out = _like(own + other, x)
             self._took(x, started)
             return out
         total = np.array(x if x.dtype == mx.float32 else x.astype(mx.float32))  # a copy: it is added to
@@ -372,7 +378,7 @@ class GroupFace(_Sums):
         for s in self.members:
             with self._blame(s):
                 s.send_sum(self.seq, index, total, self.deadline)
-        out = mx.array(total).astype(x.dtype)
+        out = _like(total, x)
         self._took(x, started)
         return out
 
@@ -462,7 +468,7 @@ class GroupMember(_Sums):
             else:
                 self.face.send_sum(self.seq, index, part, self.deadline)
                 total = self.face.read_sum(self.seq, index, part, self.deadline)
-        out = mx.array(total).astype(x.dtype)
+        out = _like(total, x)
         self._took(x, started)
         return out
 

@@ -29,7 +29,7 @@ from shardline.models.synth import SYNTH_INFO_FILE, SynthSpec, weight_sizes, wri
 from shardline.runner.spec import Fault
 
 # ~1.1B parameters: 24 layers of hidden 2048 and MLP 5632 (16 heads, 4 KV heads), 4-bit in groups of 32
-# with float32 scales (~690 MB): one decode step reads the weights once, which takes tens of ms on a core.
+# with float32 scales (~910 MB): one decode step reads the weights once, which takes tens of ms on a core.
 BENCH_SPEC = SynthSpec(
     layers=24, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, bits=4, dtype="float32"
 )

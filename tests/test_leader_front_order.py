@@ -39,6 +39,7 @@ def stub_leader() -> tuple[Leader, Events]:
         max_waiting=16,
         prefill_step=8,
         prefix_cache=True,
+        group=1,
     )
     runner = SimpleNamespace(
         spec=spec,

@@ -23,11 +23,13 @@ import hmac
 import os
 import select
 import socket
+import ssl
 import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -38,7 +40,10 @@ from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
 from shardline.runner.deadline import SMALL_STEP
+from shardline.trust.credentials import CA_FILE, CERT_FILE, KEY_FILE
 
+# What a non-blocking read or write raises when it would wait (a TLS stream says it in its own words).
+WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 _KIND = struct.Struct("<B")
 _MESSAGE = struct.Struct("<Q")  # frame length
 _SUM = struct.Struct("<qiQ")  # step seq, index within the step, payload bytes
@@ -94,8 +99,10 @@ class _Stream:
             while view:
                 try:
                     view = view[self.sock.send(view) :]
-                except BlockingIOError:
+                except WOULD_BLOCK:
                     self._wait(self._wpoll, deadline, what, "took nothing")
+        except (TransportError, DeadlineExceeded):  # DeadlineExceeded is an OSError too (TimeoutError)
+            raise
         except OSError as exc:
             raise TransportError(f"{self.peer} vanished: link broken while {what}: {exc}") from exc
 
@@ -108,7 +115,7 @@ class _Stream:
             while got < n:
                 try:
                     k = self.sock.recv_into(view[got:])
-                except BlockingIOError:
+                except WOULD_BLOCK:
                     if time.perf_counter() < spin_until:
                         continue
                     self._wait(self._poll, deadline, what, "sent nothing")
@@ -116,6 +123,8 @@ class _Stream:
                 if k == 0:
                     raise TransportError(f"{self.peer} vanished: it closed the group link while {what}")
                 got += k
+        except (TransportError, DeadlineExceeded):  # DeadlineExceeded is an OSError too (TimeoutError)
+            raise
         except OSError as exc:
             raise TransportError(f"{self.peer} vanished: link broken while {what}: {exc}") from exc
         return buf
@@ -140,7 +149,7 @@ class _Stream:
                     try:
                         out = out[self.sock.send(out) :]
                         moved = True
-                    except BlockingIOError:
+                    except WOULD_BLOCK:
                         pass
                 if got < len(buf):
                     try:
@@ -149,7 +158,7 @@ class _Stream:
                             raise TransportError(f"{self.peer} vanished: it closed the link while {what}")
                         got += k
                         moved = True
-                    except BlockingIOError:
+                    except WOULD_BLOCK:
                         pass
                 if moved or time.perf_counter() < spin_until:
                     continue
@@ -260,6 +269,26 @@ def _like(total: np.ndarray, x: mx.array) -> mx.array:
     return out if x.dtype == mx.float32 else out.astype(x.dtype)
 
 
+def tls_context(tls_dir: Path | None, server: bool) -> ssl.SSLContext | None:
+    """Mutual TLS with the node's certificate from the cluster CA (the same files zenoh's tls/ links use):
+    on a TLS cluster the group's streams are encrypted too, and each side proves it is a node of it."""
+    if tls_dir is None:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False  # members reach faces by address; the CA is what vouches for the peer
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(str(tls_dir / CA_FILE))
+    ctx.load_cert_chain(str(tls_dir / CERT_FILE), str(tls_dir / KEY_FILE))
+    return ctx
+
+
+def _secure(sock: socket.socket, ctx: ssl.SSLContext | None, server: bool, timeout: float) -> socket.socket:
+    if ctx is None:
+        return sock
+    sock.settimeout(timeout)  # the handshake blocks, within the bring-up's deadline
+    return ctx.wrap_socket(sock, server_side=server)
+
+
 def _host_of(listen: list[str]) -> str:
     """The address this runner's zenoh listens on (its node's): where its members can reach it."""
     for endpoint in listen:
@@ -283,9 +312,11 @@ class GroupFace(_Sums):
         key: str | None,
         member_slots: list[int] | None = None,
         on_lost: Callable[[int], None] = lambda slot: None,
+        tls_dir: Path | None = None,
     ) -> None:
         super().__init__(on_lost)
         self.keys, self.stage, self.size, self.key = keys, stage, size, key
+        self.tls = tls_context(tls_dir, server=True)
         self.member_slots = member_slots or [-1] * (size - 1)
         self.server = socket.create_server((_host_of(listen), 0))
         host, port = self.server.getsockname()[:2]
@@ -314,12 +345,13 @@ class GroupFace(_Sums):
                 sock, addr = self.server.accept()
             except TimeoutError:
                 continue
-            stream = _Stream(sock, f"member at {addr[0]}:{addr[1]}")
             try:
+                sock = _secure(sock, self.tls, True, 10.0)
+                stream = _Stream(sock, f"member at {addr[0]}:{addr[1]}")
                 member = self._handshake(stream, min(deadline, time.monotonic() + 10.0))
-            except (TransportError, DeadlineExceeded, frame.FrameError, ValueError):
+            except (TransportError, DeadlineExceeded, frame.FrameError, ValueError, OSError):
+                sock.close()
                 self.refused += 1
-                stream.close()
                 continue
             if member in found:
                 self.refused += 1
@@ -420,6 +452,7 @@ class GroupMember(_Sums):
         timeout: float,
         abort: Callable[[], None] = lambda: None,
         on_lost: Callable[[int], None] = lambda slot: None,
+        tls_dir: Path | None = None,
     ) -> None:
         super().__init__(on_lost)
         self.generation = keys.generation
@@ -429,6 +462,9 @@ class GroupMember(_Sums):
         host, port = address.rsplit(":", 1)
         try:
             sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+            sock = _secure(
+                sock, tls_context(tls_dir, server=False), False, max(0.1, deadline - time.monotonic())
+            )
         except OSError as exc:
             raise TransportError(f"stage {stage} member {member}: face at {address} unreachable") from exc
         self.face = _Stream(sock, f"stage {stage}'s face (runner {stage})", slot=stage)

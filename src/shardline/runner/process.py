@@ -128,12 +128,21 @@ class RunnerProcess:
         """Meet the stage's other members (bring-up, with the load deadline); every sum of the warm-up and
         of each step goes through them."""
         spec = self.spec
-        key = Credentials.from_env().key
+        creds = Credentials.from_env()
+        key = creds.key
         slots = runner_slots(spec.stages, spec.group)
         members = [slots.index((spec.ring, j)) for j in range(1, spec.group)]
         if spec.is_face:
             face = GroupFace(
-                self.session, self.keys, spec.ring, spec.group, spec.listen, key, members, self._lost
+                self.session,
+                self.keys,
+                spec.ring,
+                spec.group,
+                spec.listen,
+                key,
+                members,
+                self._lost,
+                creds.tls_dir,
             )
             face.admit(spec.load_timeout, abort=self._abort_wait)
             assert self.worker is not None
@@ -149,8 +158,9 @@ class RunnerProcess:
                 key,
                 spec.load_timeout,
                 self._abort_wait,
+                self._lost,
+                creds.tls_dir,
             )
-            self.group.on_lost = self._lost
         shard.join_group(self.group.reduce, self.group.gather)
         self.group.begin(-1, self.policy.ceiling)  # the warm-up: not measured yet, err long
 

@@ -1,0 +1,97 @@
+"""The tensor-parallel group's streams (dataplane/group.py): sums exchanged and checked, every wait bounded by
+its deadline, a broken stream named at once, and on a TLS cluster encrypted and mutually authenticated."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardline.dataplane.frame import FrameError
+from shardline.dataplane.group import _secure, _Stream, tls_context
+from shardline.dataplane.transport import DeadlineExceeded, TransportError
+from shardline.trust import ca
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def pair(tls: tuple[Path, Path] | None = None) -> tuple[_Stream, _Stream]:
+    """Two ends of one loopback TCP stream (TLS when given the two sides' node folders)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        sock, _ = server.accept()
+        try:
+            accepted.append(_secure(sock, tls_context(tls[0], True) if tls else None, True, 10))
+        except OSError:  # a refused handshake: the client side raises too, and the test looks there
+            sock.close()
+
+    t = threading.Thread(target=accept)
+    t.start()
+    client = socket.create_connection(("127.0.0.1", port), timeout=10)
+    client = _secure(client, tls_context(tls[1], False) if tls else None, False, 10)
+    t.join(timeout=10)
+    server.close()
+    # (the face's stream, whose peer is the member; the member's, whose peer is the face)
+    return _Stream(accepted[0], "member", slot=1), _Stream(client, "face", slot=0)
+
+
+def exchange_both(a: _Stream, b: _Stream, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    got: dict[str, np.ndarray] = {}
+    t = threading.Thread(target=lambda: got.update(b=b.exchange(3, 0, y, time.monotonic() + 10)))
+    t.start()
+    got["a"] = a.exchange(3, 0, x, time.monotonic() + 10)
+    t.join(timeout=10)
+    return got["a"], got["b"]
+
+
+@pytest.mark.parametrize("floats", [2048, 256 * 2048])  # a decode step's sum; a prefill chunk's (2 MB)
+def test_a_pair_exchanges_partials_both_ways_at_once(floats: int) -> None:
+    a, b = pair()
+    x, y = np.arange(floats, dtype=np.float32), -np.ones(floats, dtype=np.float32)
+    at_a, at_b = exchange_both(a, b, x, y)
+    assert np.array_equal(at_a, y) and np.array_equal(at_b, x)
+    # Both sides add p0 + p1: the same bits.
+    assert np.array_equal(x + at_a, at_b + y)
+
+
+def test_a_silent_peer_is_named_at_the_deadline_and_a_closed_one_at_once() -> None:
+    a, b = pair()
+    like = np.zeros(2048, dtype=np.float32)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="member stalled"):  # the member sends nothing
+        a.read_sum(5, 0, like, time.monotonic() + 0.5)
+    assert 0.4 < time.monotonic() - started < 3.0
+    b.close()
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="member vanished"):
+        a.exchange(5, 1, like, time.monotonic() + 30)
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_sum_of_another_step_is_refused() -> None:
+    a, b = pair()
+    like = np.zeros(16, dtype=np.float32)
+    b.send_sum(8, 0, like, time.monotonic() + 5)
+    with pytest.raises(FrameError, match="sum 0 of step 8"):
+        a.read_sum(7, 0, like, time.monotonic() + 5)
+
+
+def test_on_a_tls_cluster_the_stream_is_encrypted_and_a_stranger_is_refused(tmp_path: Path) -> None:
+    face, member = ca.init(tmp_path / "cluster", ["face", "member"])[:2]
+    a, b = pair((face, member))
+    assert isinstance(a.sock, ssl.SSLSocket) and a.sock.version() is not None
+    x = np.full(4096, 2.5, dtype=np.float32)
+    at_a, at_b = exchange_both(a, b, x, x * 2)
+    assert np.array_equal(at_a, x * 2) and np.array_equal(at_b, x)
+    # A node of another cluster (another CA) cannot join the group.
+    stranger = ca.init(tmp_path / "other", ["stranger"])[0]
+    with pytest.raises((ssl.SSLError, OSError, IndexError)):
+        pair((face, stranger))

@@ -250,6 +250,14 @@ class _Sums:
         index, self.index = self.index, self.index + 1
         return index
 
+    def _partial(self, x: mx.array) -> tuple[int, float, np.ndarray]:
+        """A sum starts: its index, its start time (after the partial is computed: that is not the sum's
+        time) and the partial as float32 numpy."""
+        index = self._next()
+        mx.eval(x)
+        started = time.perf_counter()
+        return index, started, np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+
     def _took(self, x: mx.array, started: float) -> None:
         self.count += 1
         positions = x.size // max(1, x.shape[-1])
@@ -393,17 +401,14 @@ class GroupFace(_Sums):
                 s.send_message(msg, x, self.keys.generation, deadline)
 
     def reduce(self, x: mx.array) -> mx.array:
-        index = self._next()
-        mx.eval(x)  # the partial itself: its compute is not the sum's time
-        started = time.perf_counter()
+        index, started, own = self._partial(x)
         if len(self.members) == 1:  # a pair: both send their partial, both add p0 + p1 (the same bits)
-            own = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
             with self._blame(self.members[0]):
                 other = self.members[0].exchange(self.seq, index, own, self.deadline)
             out = _like(own + other, x)
             self._took(x, started)
             return out
-        total = np.array(x if x.dtype == mx.float32 else x.astype(mx.float32))  # a copy: it is added to
+        total = own.copy()  # added to
         for s in self.members:  # member order: the same bits on every run
             with self._blame(s):
                 total += s.read_sum(self.seq, index, total, self.deadline)
@@ -416,10 +421,7 @@ class GroupFace(_Sums):
 
     def gather(self, x: mx.array) -> mx.array:
         """A split head's logits: the face's rows, then each member's, in member order."""
-        index = self._next()
-        mx.eval(x)
-        started = time.perf_counter()
-        own = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+        index, started, own = self._partial(x)
         parts = [own]
         for s in self.members:
             with self._blame(s):
@@ -493,10 +495,7 @@ class GroupMember(_Sums):
         return self.face.read_message(time.monotonic() + 60.0)
 
     def reduce(self, x: mx.array) -> mx.array:
-        index = self._next()
-        mx.eval(x)
-        started = time.perf_counter()
-        part = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+        index, started, part = self._partial(x)
         with self._blame(self.face):
             if self.pair:
                 # p0 + p1, as the face adds them
@@ -510,10 +509,9 @@ class GroupMember(_Sums):
 
     def gather(self, x: mx.array) -> mx.array:
         """Send this member's rows of a split head's logits to the face (which alone samples)."""
-        index = self._next()
-        mx.eval(x)
+        index, _, part = self._partial(x)
         with self._blame(self.face):
-            self.face.send_sum(self.seq, index, np.asarray(x.astype(mx.float32)), self.deadline)
+            self.face.send_sum(self.seq, index, part, self.deadline)
         return x
 
     def close(self) -> None:

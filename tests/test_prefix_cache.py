@@ -26,11 +26,20 @@ def _run(engine: Engine, prompt: list[int]) -> Result:
 
 
 def _same(
-    a: tuple[list[int], list[mx.array], int], b: tuple[list[int], list[mx.array], int], what: str
+    a: tuple[list[int], list[mx.array], int],
+    b: tuple[list[int], list[mx.array], int],
+    what: str,
+    exact: bool = True,
 ) -> None:
+    """Equal tokens and logits: bit for bit, or (exact=False) within the rounding of a decode step batched
+    with other requests' rows, whose products may sum in another order than a lone row's."""
     assert a[0] == b[0], f"{what}: tokens differ"
     for i, (x, y) in enumerate(zip(a[1], b[1], strict=True)):
-        assert mx.array_equal(x, y).item(), f"{what}: logits of token {i} differ"
+        if exact:
+            assert mx.array_equal(x, y).item(), f"{what}: logits of token {i} differ"
+        else:
+            rel = float(mx.abs(x - y).max() / mx.abs(y).max())
+            assert rel < 1e-5, f"{what}: logits of token {i} differ by {rel:.1e} relative"
 
 
 def _clean(engine: Engine) -> None:
@@ -89,7 +98,8 @@ def test_concurrent_requests_sharing_a_prompt_equal_each_alone(tiny_models, star
         t.join(timeout=180)
     for i, prompt in enumerate(prompts):
         assert results[i] is not None
-        _same(results[i], _run(plain, prompt), f"request {i}")  # type: ignore[arg-type]
+        # Concurrent, their decode steps run as rows of one batch; alone, as one row.
+        _same(results[i], _run(plain, prompt), f"request {i}", exact=False)  # type: ignore[arg-type]
     # The first to run computed the system prompt; the others started after its blocks.
     assert sum(1 for r in results if r and r[2] >= 5 * STEP) >= len(prompts) - 1
 

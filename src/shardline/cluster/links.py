@@ -1,7 +1,9 @@
 """Each node measures its links to its peers: what placement weighs tensor parallelism's sums against.
 
-A node answers pings on its own key (a queryable that returns as many bytes as asked), and on a period
-asks each live peer twice: a small query for the round trip (best of a few), a bulk one for the bandwidth.
+A node answers pings on its own key (a queryable that returns as many bytes as asked, up to MAX_ASKED), and
+on a period asks each live peer: small queries for the round trip (the best of a few), and one of
+BULK_BYTES for the bandwidth. A reply is sent on zenoh's own thread, so the bulk one stays small: a large
+reply to a peer whose link is down would hold that thread (and the node's other traffic) until it drains.
 The figures go in its report (facts live with who owns them); placement reads the slowest pair.
 """
 
@@ -18,10 +20,10 @@ import zenoh
 from shardline.cluster import messages as cm
 
 log = logging.getLogger("shardline.links")
-PERIOD_S = 30.0  # links change slowly; a probe costs each peer a few small queries and one bulk reply
+PERIOD_S = 60.0  # links change slowly; a probe costs each peer a few small queries and one 64 KB reply
 SMALL_TRIES = 5
-BULK_BYTES = 1 << 20
-MAX_ASKED = 4 << 20  # a ping never makes a node send more than this
+BULK_BYTES = 64 << 10
+MAX_ASKED = BULK_BYTES  # a ping never makes a node send more than this
 TIMEOUT_S = 2.0
 
 

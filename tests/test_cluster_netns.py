@@ -205,6 +205,21 @@ class Client:
             self.proc.wait(timeout=timeout)
 
 
+def cut_mid_request(
+    lab: Lab, client: Client, victim: LabNode, reference: Reference, seed: int
+) -> tuple[list[int], list[int], int, float]:
+    """A long greedy request ("long"); the victim's cable pulled after its 5th token. Returns the prompt, the
+    reference's tokens, the event index and the time of the cut."""
+    prompt = random_prompt(20, seed=seed)
+    expected = reference.greedy(prompt, 600)[0]
+    client.send(cmd="submit", tag="long", prompt=prompt, max_tokens=600, timeout=90)
+    client.event("token", 60, "the 5th token", tag="long", i=4)
+    cut = len(client.events)
+    t_down = time.monotonic()
+    lab.net.link_down(victim.host)
+    return prompt, expected, cut, t_down
+
+
 def wait_replaced(client: Client, instance: str, generation: int, since: int) -> tuple[int, dict[str, Any]]:
     """The first view from `since` on with the instance ready on a newer generation, and its record there."""
     replaced = client.view(
@@ -429,14 +444,7 @@ def test_link_down_mid_generation_replaces_and_completes_then_the_node_rejoins_w
     # a process keeps the generation it was started for on its command line).
     assert [(i, s) for i, g, s, _ in victim.runners() if g <= generation] == [(instance, 1)]
 
-    n = 600
-    prompt = random_prompt(20, seed=21)
-    expected = reference.greedy(prompt, n)[0]
-    client.send(cmd="submit", tag="long", prompt=prompt, max_tokens=n, timeout=90)
-    client.event("token", 60, "the 5th token", tag="long", i=4)
-    cut = len(client.events)
-    t_down = time.monotonic()
-    lab.net.link_down(victim.host)
+    prompt, expected, cut, t_down = cut_mid_request(lab, client, victim, reference, seed=21)
 
     gone = client.events[client.view(lambda v: victim.node_id not in alive(v), 15, "victim not alive", cut)]
     detected = gone["t"] - t_down
@@ -504,14 +512,7 @@ def test_a_group_members_link_cut_mid_decode_fails_its_stage_within_the_deadline
     instance, generation, stages = ready["instance"], ready["generation"], ready["stages"]
     assert stages == ["k1", "k2"], f"placed on {stages}"
     victim = lab.nodes["k2"]
-    n = 600
-    prompt = random_prompt(20, seed=23)
-    expected = reference.greedy(prompt, n)[0]
-    client.send(cmd="submit", tag="long", prompt=prompt, max_tokens=n, timeout=90)
-    client.event("token", 60, "the 5th token", tag="long", i=4)
-    cut = len(client.events)
-    t_down = time.monotonic()
-    lab.net.link_down(victim.host)
+    _, expected, cut, t_down = cut_mid_request(lab, client, victim, reference, seed=23)
     done = client.event("done", 90, "the long request's end", tag="long")
     assert done["tokens"] == expected, "the request's tokens differ from the reference"
     replaced, rec = wait_replaced(client, instance, generation, cut)

@@ -76,7 +76,10 @@ def kill_mid_stream(
     recovered = lambda v: (r := client.instance(instance)) is not None and r.recoveries > 0  # noqa: E731
     client.wait(recovered, 30, "the recovery")
     after = client.wait_ready(instance, 30)
-    assert after.recoveries == 1 and victim not in {s.node_id for s in after.stages}
+    view = client.view
+    failures = [e.message for e in view.events if e.kind == "failure"] if view else []
+    assert after.recoveries == 1, failures
+    assert victim not in {s.node_id for s in after.stages}
     return after
 
 

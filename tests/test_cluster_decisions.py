@@ -125,6 +125,9 @@ def test_fencing_judges_only_runners_older_than_the_view():
     assert cs.stale_runners(view, [runner("j", 0, (2, 5))]) == [("j", -1)]  # an instance no longer listed
     assert cs.stale_runners(view, [runner("j", 0, (2, 10))]) == []  # started after this view was made
     assert cs.stale_runners(view, [runner("i", 4, (2, 3))]) == []  # a newer generation than the view's
+    placed = rec.model_copy(update={"generation": -1, "phase": "placed"})
+    unlaid = view.model_copy(update={"instances": [placed]})
+    assert cs.stale_runners(unlaid, [runner("i", 0, (2, 3))]) == []  # launched before the view saw the layout
     starting = view.model_copy(update={"instances": [rec.model_copy(update={"phase": "loading"})]})
     assert cs.stale_runners(starting, [runner("i", 2, (2, 5))]) == []  # may be handed to generation 3
     failed = view.model_copy(update={"instances": [rec.model_copy(update={"phase": "failed"})]})

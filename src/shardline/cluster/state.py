@@ -274,9 +274,12 @@ def stale_runners(view: cm.ClusterView, held: list[cm.RunnerInfo]) -> list[tuple
     made = (view.term, view.seq)
     doomed, spared = set(), set()
     for r in held:
+        listed = r.instance in current
         keep = current.get(r.instance, -1)
-        if r.issued >= made or r.generation > keep >= 0:
-            spared.add(r.instance)  # newer than the view: it cannot judge this instance yet
+        if r.issued >= made or (listed and r.generation > keep):
+            # Newer than the view: it cannot judge this instance yet. A listed instance's generation may be
+            # older than its runners' (-1 too): a controller's layout reaches views after its launches.
+            spared.add(r.instance)
         elif keep >= 0 and r.instance not in settled:
             spared.add(r.instance)  # a new generation is starting: this runner may be handed over to it
         elif r.generation != keep:

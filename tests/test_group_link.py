@@ -9,11 +9,12 @@ import threading
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from shardline.dataplane.frame import FrameError
-from shardline.dataplane.group import _secure, _Stream, tls_context
+from shardline.dataplane.group import _secure, _Stream, _Sums, tls_context
 from shardline.dataplane.transport import DeadlineExceeded, TransportError
 from shardline.trust import ca
 
@@ -95,3 +96,92 @@ def test_on_a_tls_cluster_the_stream_is_encrypted_and_a_stranger_is_refused(tmp_
     stranger = ca.init(tmp_path / "other", ["stranger"])[0]
     with pytest.raises((ssl.SSLError, OSError, IndexError)):
         pair((face, stranger))
+
+
+def native_side(stream: _Stream, face: bool, pair: bool = True) -> _Sums:
+    sums = _Sums()
+    sums._go_native([stream], face=face, pair=pair)
+    assert sums.native is not None, "the op is built on this CPU machine"
+    return sums
+
+
+@pytest.mark.parametrize("floats", [2048, 256 * 2048])
+def test_the_op_and_python_sum_the_same_frames_to_the_same_bits(floats: int) -> None:
+    a, b = pair()
+    face = native_side(a, face=True)
+    x, y = np.arange(floats, dtype=np.float32) / 7, -np.ones(floats, dtype=np.float32) / 3
+    got: dict[str, np.ndarray] = {}
+    t = threading.Thread(target=lambda: got.update(b=b.exchange(4, 0, y, time.monotonic() + 10)))
+    t.start()
+    face.begin(4, 10.0)
+    total = face._native_sum(mx.array(x).reshape(1, -1, 2048))  # a step of floats / 2048 positions
+    assert total is not None
+    mx.eval(total)
+    t.join(timeout=10)
+    face.check()
+    assert np.array_equal(got["b"], x)  # the Python member read the op's frame
+    assert np.array_equal(np.asarray(total).ravel(), got["b"] + y)  # and both hold p0 + p1
+    assert face.count == 1 and len(face.timings_us[floats == 2048]) == 1  # timed as decode or prefill
+
+
+def test_the_op_names_a_silent_peer_at_the_deadline_a_closed_one_at_once_and_a_wrong_frame() -> None:
+    a, b = pair()
+    lost: list[int] = []
+    face = native_side(a, face=True)
+    face.on_lost = lost.append
+    face.begin(5, 0.5)
+    first = face._native_sum(mx.ones((1, 1, 64)))
+    assert first is not None
+    second = face._native_sum(first * 2)  # after a failure the step's other sums wait for nothing
+    started = time.monotonic()
+    mx.eval(second)
+    assert 0.4 < time.monotonic() - started < 3.0
+    with pytest.raises(
+        DeadlineExceeded, match=r"member stalled: nothing moved while exchanging sum 0 of step 5$"
+    ):
+        face.check()
+    assert lost == [1]
+
+    a, b = pair()
+    member = native_side(b, face=False)
+    a.close()
+    member.begin(6, 30.0)
+    started = time.monotonic()
+    mx.eval(member._native_sum(mx.ones(64)))  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2.0
+    with pytest.raises(TransportError, match="face vanished"):
+        member.check()
+
+    a, b = pair()
+    member = native_side(b, face=False)
+    a.send_sum(8, 0, np.zeros(16, dtype=np.float32), time.monotonic() + 5)
+    member.begin(7, 5.0)
+    mx.eval(member._native_sum(mx.zeros(16)))  # type: ignore[arg-type]
+    with pytest.raises(FrameError, match="sum 0 of step 8"):
+        member.check()
+
+
+def test_the_op_adds_a_larger_groups_partials_in_member_order_and_returns_the_total() -> None:
+    (a1, b1), (a2, b2) = pair(), pair()
+    face = _Sums()
+    face._go_native([a1, a2], face=True, pair=False)
+    parts = [np.random.default_rng(k).standard_normal(2048).astype(np.float32) for k in range(3)]
+    got: dict[int, np.ndarray] = {}
+
+    def member(k: int, stream: _Stream) -> None:
+        stream.send_sum(9, 0, parts[k], time.monotonic() + 10)
+        got[k] = stream.read_sum(9, 0, parts[k], time.monotonic() + 10)
+
+    threads = [threading.Thread(target=member, args=(k, s)) for k, s in ((1, b1), (2, b2))]
+    for t in threads:
+        t.start()
+    face.begin(9, 10.0)
+    total = face._native_sum(mx.array(parts[0]))
+    assert total is not None
+    mx.eval(total)
+    for t in threads:
+        t.join(timeout=10)
+    face.check()
+    expected = (parts[0] + parts[1]) + parts[2]
+    assert np.array_equal(np.asarray(total), expected)
+    assert np.array_equal(got[1], expected) and np.array_equal(got[2], expected)

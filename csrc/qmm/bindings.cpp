@@ -1,11 +1,15 @@
 // Python bindings: nanobind in MLX's domain, so mx.array crosses without copies or conversions.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
 
 #include "mlx/version.h"
+#include "group_sum.h"
 #include "ops.h"
 #include "primitive.h"
 
@@ -36,6 +40,14 @@ NB_MODULE(_qmm, m) {
   m.def("greedy", &shardline_qmm::greedy, "logits"_a,
         "(argmax, its log-probability) of 1-D float32 logits as one CPU op.");
   m.def("silu_mul", &shardline_qmm::silu_mul, "gate"_a, "up"_a, "silu(gate) * up as one CPU op (float32).");
+  nb::class_<shardline_qmm::SumLink>(m, "SumLink",
+                                     "A tensor-parallel group's streams as the group_sum op uses them.")
+      .def(nb::init<std::vector<int>, bool, bool, double>(), "fds"_a, "face"_a, "pair"_a, "spin_s"_a)
+      .def("error", &shardline_qmm::SumLink::error, "(kind, peer index, message); kind 0: none.")
+      .def("drain", &shardline_qmm::SumLink::drain, "[(decode step, microseconds)] of the sums since the last call.");
+  m.def("group_sum", &shardline_qmm::group_sum, "x"_a, "link"_a, "seq"_a, "index"_a, "deadline"_a, "small"_a,
+        "The group's total of float32 x through link: sum `index` of step `seq` by `deadline` (monotonic()).");
+  m.def("monotonic", &shardline_qmm::monotonic, "The clock deadlines are read on (seconds).");
   m.def("set_isa", &shardline_qmm::set_isa, "name"_a,
         "Use the named kernel set (auto, avx512, avx2, neon, scalar); False if this CPU or build lacks it.");
   m.def("isa", &shardline_qmm::isa, "The kernel set in use.");

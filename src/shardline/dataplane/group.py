@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import select
 import socket
@@ -36,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 import zenoh
 
+from shardline.compute import quantized
 from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
@@ -50,7 +52,12 @@ _SUM = struct.Struct("<qiQ")  # step seq, index within the step, payload bytes
 MESSAGE, SUM = 0, 1
 NONCE_BYTES = 16
 MAX_FRAME = 1 << 34  # far above any step's input, below what a length field could claim to wedge us
+log = logging.getLogger("shardline.group")
 SPIN_S = 1e-3  # a read polls this long before it sleeps in poll(): see _Stream
+# Sums as an MLX op (csrc/qmm/group_sum.h) where the streams are plain TCP and the device the CPU: a step's
+# layers are then one graph. TLS streams (Python's ssl) and other devices sum here, in Python, on the same
+# frames. SHARDLINE_GROUP_SUM=python forces Python's (to compare the two).
+NATIVE_SUMS = os.environ.get("SHARDLINE_GROUP_SUM", "native") != "python"
 
 
 def group_key(keys: Keys, stage: int) -> str:
@@ -231,6 +238,48 @@ class _Sums:
         # heartbeat reports them; `bench tp` too).
         self.timings_us: dict[bool, deque[float]] = {True: deque(maxlen=4096), False: deque(maxlen=4096)}
         self.count = 0
+        self.native: Any = None  # a _qmm.SumLink over `_streams`, once the group met (_go_native)
+        self._streams: list[_Stream] = []
+        self._clock = 0.0  # time.monotonic() minus the op's clock (they may differ in origin)
+
+    def _go_native(self, streams: list[_Stream], face: bool, pair: bool) -> None:
+        """Sum with the MLX op from now on, where it can (plain sockets, the CPU device, the op built)."""
+        qmm = quantized.native()
+        plain = not any(isinstance(s.sock, ssl.SSLSocket) for s in streams)
+        built = qmm is not None and hasattr(qmm, "SumLink")
+        if not (NATIVE_SUMS and plain and built and mx.default_device() == mx.cpu):
+            why = "asked" if not NATIVE_SUMS else "TLS" if not plain else "no op" if not built else "device"
+            log.info("group sums in Python (%s)", why)
+            return
+        log.info("group sums as an MLX op")
+        self._streams = streams
+        self.native = qmm.SumLink([s.sock.fileno() for s in streams], face, pair, SPIN_S)
+        self._clock = time.monotonic() - qmm.monotonic()
+
+    def _native_sum(self, x: mx.array) -> mx.array | None:
+        """The sum as a lazy op (None where this sum goes through Python)."""
+        if self.native is None or x.dtype != mx.float32:
+            return None
+        positions = x.size // max(1, x.shape[-1])
+        return quantized.native().group_sum(  # type: ignore[union-attr]
+            x, self.native, self.seq, self._next(), self.deadline - self._clock, positions <= SMALL_STEP
+        )
+
+    def check(self) -> None:
+        """After a step's evaluation, before anything of it leaves this runner: the op's sums' timings, and
+        their failure raised here as Python's sums raise it (the peer named and reported lost)."""
+        if self.native is None:
+            return
+        for small, us in self.native.drain():
+            self.timings_us[small].append(us)
+            self.count += 1
+        kind, k, message = self.native.error()
+        if kind == 0:
+            return
+        stream = self._streams[k]
+        self.on_lost(stream.slot)
+        error = DeadlineExceeded if kind == 1 else TransportError if kind == 2 else frame.FrameError
+        raise error(f"{stream.peer} {message}" if kind != 3 else f"{stream.peer}: {message}")
 
     @contextmanager
     def _blame(self, stream: _Stream) -> Iterator[None]:
@@ -255,6 +304,7 @@ class _Sums:
         time) and the partial as float32 numpy."""
         index = self._next()
         mx.eval(x)
+        self.check()  # the op's sums that x depends on ran just now
         started = time.perf_counter()
         return index, started, np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
 
@@ -370,6 +420,7 @@ class GroupFace(_Sums):
             found[member] = stream
         self.members = [found[j] for j in range(1, self.size)]
         self._queryable.undeclare()
+        self._go_native(self.members, face=True, pair=self.size == 2)
 
     def _handshake(self, stream: _Stream, deadline: float) -> int:
         nonce = os.urandom(NONCE_BYTES)
@@ -401,6 +452,8 @@ class GroupFace(_Sums):
                 s.send_message(msg, x, self.keys.generation, deadline)
 
     def reduce(self, x: mx.array) -> mx.array:
+        if (out := self._native_sum(x)) is not None:
+            return out
         index, started, own = self._partial(x)
         if len(self.members) == 1:  # a pair: both send their partial, both add p0 + p1 (the same bits)
             with self._blame(self.members[0]):
@@ -474,6 +527,7 @@ class GroupMember(_Sums):
         hello = m.GroupHello(instance=keys.instance, generation=keys.generation, stage=stage, member=member)
         hello = hello.model_copy(update={"mac": _mac(key, nonce, hello)})
         self.face.send_message(hello, None, keys.generation, deadline)
+        self._go_native([self.face], face=False, pair=self.pair)
 
     @staticmethod
     def _find(session: zenoh.Session, key: str, deadline: float, abort: Callable[[], None]) -> str:
@@ -495,6 +549,8 @@ class GroupMember(_Sums):
         return self.face.read_message(time.monotonic() + 60.0)
 
     def reduce(self, x: mx.array) -> mx.array:
+        if (out := self._native_sum(x)) is not None:
+            return out
         index, started, part = self._partial(x)
         with self._blame(self.face):
             if self.pair:

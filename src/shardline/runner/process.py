@@ -120,6 +120,8 @@ class RunnerProcess:
         warmup = self.worker.warm_up(
             min(spec.prefill_step, WARMUP_CHUNK_MAX), lambda: self.faults.slow_s("warmup", 0)
         )
+        if self.group is not None:
+            self.group.check()
         for t in warmup:
             self.speed.observe(t.n, t.context, t.seconds)
         self._link(warmup)
@@ -308,6 +310,8 @@ class RunnerProcess:
         try:
             self.faults.maybe_fire(phase, self.worker.steps)
             out, tensor = self.worker.run(step, x)
+            if self.group is not None:  # its sums failed: the step's output is not the stage's
+                self.group.check()
             time.sleep(self.faults.slow_s(phase, self.worker.steps))
         finally:
             self.busy = None

@@ -20,8 +20,9 @@ import zenoh
 from shardline.cluster import messages as cm
 
 log = logging.getLogger("shardline.links")
-PERIOD_S = 60.0  # links change slowly; a probe costs each peer a few small queries and one 64 KB reply
+PERIOD_S = 60.0  # links change slowly; a probe costs each peer a few small queries and three 64 KB replies
 SMALL_TRIES = 5
+BULK_TRIES = 3  # the best of a few: one reply's time is as noisy as a small query's
 BULK_BYTES = 64 << 10
 MAX_ASKED = BULK_BYTES  # a ping never makes a node send more than this
 TIMEOUT_S = 2.0
@@ -65,11 +66,11 @@ class LinkProber:
 
     def measure(self, peer: str) -> cm.LinkFact | None:
         small = [t for t in (self._ask(peer, 16) for _ in range(SMALL_TRIES)) if t is not None]
-        bulk = self._ask(peer, BULK_BYTES)
-        if not small or bulk is None:
+        bulk = [t for t in (self._ask(peer, BULK_BYTES) for _ in range(BULK_TRIES)) if t is not None]
+        if not small or not bulk:
             return None
         rtt = min(small)
-        return cm.LinkFact(rtt_us=rtt * 1e6, bytes_per_s=BULK_BYTES / max(bulk - rtt, 1e-6))
+        return cm.LinkFact(rtt_us=rtt * 1e6, bytes_per_s=BULK_BYTES / max(min(bulk) - rtt, 1e-6))
 
     def snapshot(self) -> dict[str, cm.LinkFact]:
         with self._lock:

@@ -7,6 +7,7 @@ import pytest
 from shardline.compute.kv import KV_STEP, reservation_bytes
 from shardline.controller import state as cs
 from shardline.dataplane import messages as m
+from shardline.runner.spec import runner_name
 
 CFG = cs.ControllerConfig(stages=2, heartbeat_timeout=2.0, step_deadline_floor=1.0, max_restarts=2)
 
@@ -38,6 +39,26 @@ def test_judge_names_the_stage_and_the_cause():
     s = _serving()
     cs.apply(s, m.RunnerStopped(generation=0, stage=1, pid=11), 0, 100.5)
     assert "stopped (SIGSTOP)" in cs.judge(s, CFG, 100.6)
+
+
+@pytest.mark.timeout(10)
+def test_judge_names_a_group_member_by_its_stage_place_and_slot():
+    # One stage, a group of 2: slot 1 is stage 0's member 1. A message naming it "stage 1" would send a user
+    # to a stage that does not exist (and the master's event to the face's node).
+    names = [runner_name(0, 0, 0, 2), runner_name(0, 1, 1, 2)]
+    assert names == ["stage 0", "stage 0 member 1 (runner 1)"]
+    s = cs.InstanceState(stages=2)
+    cs.new_generation(s, 100.0, 2, names=names)
+    s.phase = "serving"
+    cs.apply(s, m.RunnerStopped(generation=0, stage=1, pid=11), 0, 100.5)
+    assert cs.judge(s, CFG, 100.6) == "stage 0 member 1 (runner 1) stalled: its process is stopped (SIGSTOP)"
+    s = cs.InstanceState(stages=2)
+    cs.new_generation(s, 100.0, 2, names=names)
+    cs.apply(s, m.PeerLost(stage=0, peer=1), 0, 100.5)
+    assert s.fault == "stage 0 member 1 (runner 1) vanished: stage 0 lost its link to it"
+    # Names that do not fit the generation are not used.
+    cs.new_generation(s, 101.0, 2, names=names[:1])
+    assert cs.runner_label(s, 1) == "stage 1"
 
 
 @pytest.mark.timeout(10)

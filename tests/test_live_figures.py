@@ -128,6 +128,10 @@ def test_a_recovery_says_how_long_the_pause_lasted():
     assert events == [] and paused == 100.0  # still paused
     events, paused = _transitions(_rec("loading", 1), _rec("ready", 1), paused, now=103.5)
     assert [e.kind for e in events] == ["recovered"] and events[0].pause_s == 3.5 and paused is None
+    # A face that lost its group member names itself, then the member: the event names the member's node.
+    lost = "stage 0 failed (peer_lost): stage 0 member 1 (runner 1) stalled: sent nothing"
+    events, _ = _transitions(ready, _rec("recovering", 1, lost), None, now=100.0)
+    assert events[0].node == "b", events[0]
     # A first start is not a pause.
     events, paused = _transitions(_rec("loading"), _rec("ready"), None, now=5.0)
     assert [e.kind for e in events] == ["ready"] and events[0].pause_s is None and paused is None

@@ -167,7 +167,7 @@ def test_a_group_member_lost_mid_step_is_named_and_recovered(tiny_models, start_
     assert failure.generation == generation  # the request's generation failed, not its warm-up
     print(f"\n{action} {phase}: {failure.why}")
     # Named: the face's sum wait (or the stream's end) names the member, or the member's silence does.
-    assert "member 1" in failure.why or "stage 1" in failure.why, failure.why
+    assert "stage 0 member 1 (runner 1)" in failure.why, failure.why
     assert_no_runner_left(first)
     wait_for(lambda: len(runner_pids(engine)) == 2, 30, "the rebuilt group")
 

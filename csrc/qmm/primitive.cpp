@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernel.h"
+#include "small_op.h"
 #include "util.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -154,19 +155,8 @@ bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t
 }  // namespace
 
 void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> ins, outs;
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-    ins.push_back(mx::array::unsafe_weak_copy(in));
-  }
-  for (auto& out : outputs) {
-    encoder.set_output_array(out);
-    outs.push_back(mx::array::unsafe_weak_copy(out));
-  }
-  encoder.dispatch([ins = std::move(ins), outs = std::move(outs), gs = group_size_, bits = bits_,
-                    swiglu = swiglu_]() mutable {
+  dispatch_cpu(stream(), inputs, outputs, [gs = group_size_, bits = bits_, swiglu = swiglu_](
+                                               std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
     // x is prepared once for every weight set: a fused projection pays for it once.
     const PreparedX px = prepare(ins[0], gs, bits);
     if (swiglu) {  // silu(x @ gate.T) * (x @ up.T), float32

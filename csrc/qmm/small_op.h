@@ -19,23 +19,31 @@ namespace mx = mlx::core;
 
 using Body = std::function<void(const std::vector<mx::array>&, std::vector<mx::array>&)>;
 
+// Allocates the outputs, registers them and the inputs with the CPU stream's encoder, and queues
+// work(ins, outs) on that stream over weak copies (the encoder keeps the arrays alive): every CPU
+// primitive of this extension evaluates this way.
+template <typename Work>
+void dispatch_cpu(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, Work work) {
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  std::vector<mx::array> ins, outs;
+  for (const auto& in : inputs) {
+    encoder.set_input_array(in);
+    ins.push_back(mx::array::unsafe_weak_copy(in));
+  }
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+    outs.push_back(mx::array::unsafe_weak_copy(out));
+  }
+  encoder.dispatch([ins = std::move(ins), outs = std::move(outs), work = std::move(work)]() mutable { work(ins, outs); });
+}
+
 // A CPU-only primitive whose work is `body` (outputs allocated, inputs possibly strided: see dense()).
 class SmallOp : public mx::Primitive {
  public:
   SmallOp(mx::Stream s, const char* name, Body body) : mx::Primitive(s), name_(name), body_(std::move(body)) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> ins, outs;
-    for (const auto& in : inputs) {
-      encoder.set_input_array(in);
-      ins.push_back(mx::array::unsafe_weak_copy(in));
-    }
-    for (auto& out : outputs) {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
-      outs.push_back(mx::array::unsafe_weak_copy(out));
-    }
-    encoder.dispatch([ins = std::move(ins), outs = std::move(outs), body = body_]() mutable { body(ins, outs); });
+    dispatch_cpu(stream(), inputs, outputs, body_);
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error(std::string("shardline's ") + name_ + " runs on the CPU only");

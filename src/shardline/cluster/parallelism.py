@@ -31,7 +31,8 @@ from shardline.compute.kv import round_up
 # A sum's cost beyond the link (framing, the add, waking the waiting thread, MLX <-> numpy) and a ring hop's
 # (framing, zenoh, the next stage's wake-up): measured on loopback, where the link itself is ~30 us a
 # round trip, by `bench tp` (p50 of a decode step's sum) and `bench engine` (a 2-stage step's time beyond
-# its stages' compute).
+# its stages' compute). The sum's figure is Python's exchange (TLS streams); the MLX operation's sums took
+# 15-50 us at the median, link included, so on plain TCP the estimate leans towards the pipeline.
 SUM_OVERHEAD_S = 60e-6
 HOP_OVERHEAD_S = 400e-6
 GROUP_GAIN = 0.15  # groups must make one stream's token this much faster than the pipeline placed

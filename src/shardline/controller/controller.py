@@ -220,7 +220,8 @@ class InstanceController:
         except LayoutError as exc:
             self._give_up(str(exc))
             return
-        st.new_generation(self.state, now, len(launches), self.term)
+        names = [start.spec.name for _, start in launches]
+        st.new_generation(self.state, now, len(launches), self.term, names)
         self.launches = launches
         for key, start in launches:
             self._outgoing.append((self._agent(key), start))

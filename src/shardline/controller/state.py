@@ -77,6 +77,7 @@ class InstanceState:
     fault_stages: list[int] = field(default_factory=list)  # the stages that fault blames
     witnesses: list[int] = field(default_factory=list)  # stages that reported losing a peer: not to blame
     failure: str | None = None  # why the instance gave up
+    names: list[str] = field(default_factory=list)  # how judgements name each runner (groups: stage, member)
     dropped: int = 0  # frames of other generations, unknown stages
 
     def __post_init__(self) -> None:
@@ -105,8 +106,11 @@ def generation_label(generation: int) -> str:
     return f"{term}.{generation - (term << GENERATION_BITS)}" if term else str(generation)
 
 
-def new_generation(state: InstanceState, now: float, stages: int | None = None, term: int = 0) -> None:
-    """A new generation of `stages` stages (a re-placement may change their number)."""
+def new_generation(
+    state: InstanceState, now: float, stages: int | None = None, term: int = 0, names: list[str] | None = None
+) -> None:
+    """A new generation of `stages` runners (a re-placement may change their number), named `names` where
+    given (a tensor-parallel member is "stage 0 member 1 (runner 2)"), "stage k" otherwise."""
     if stages is not None and stages != state.stages:
         state.stages = stages
         state.speeds = [Speed(attn_keys=state.speeds[0].attn_keys) for _ in range(stages)]
@@ -117,6 +121,12 @@ def new_generation(state: InstanceState, now: float, stages: int | None = None, 
     state.fault_stages = []
     state.witnesses = []
     state.views = [StageView() for _ in range(state.stages)]
+    state.names = list(names) if names is not None and len(names) == state.stages else []
+
+
+def runner_label(state: InstanceState, slot: int) -> str:
+    """How judgements name runner `slot`: "stage k", or a group member's stage, place and slot."""
+    return state.names[slot] if slot < len(state.names) else f"stage {slot}"
 
 
 def adopt(state: InstanceState, generation: int, stages: int, now: float) -> None:
@@ -157,7 +167,8 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
     if isinstance(msg, m.PeerLost):
         if 0 <= msg.peer < len(state.views):
             if state.fault is None:
-                state.fault = f"stage {msg.peer} vanished: stage {msg.stage} lost its link to it"
+                lost, seen = runner_label(state, msg.peer), runner_label(state, msg.stage)
+                state.fault = f"{lost} vanished: {seen} lost its link to it"
             if msg.peer not in state.fault_stages:
                 state.fault_stages.append(msg.peer)
             # A runner that lost its peer may fail next, of that loss: it is a witness, not a suspect (even
@@ -222,23 +233,24 @@ def _exit_text(e: m.RunnerExited) -> str:
 
 def _stage_problem(state: InstanceState, cfg: ControllerConfig, now: float, stage: int) -> str | None:
     v = state.views[stage]
+    name = runner_label(state, stage)
     if v.failed is not None:
-        return f"stage {stage} failed ({v.failed.reason}): {v.failed.message}"
+        return f"{name} failed ({v.failed.reason}): {v.failed.message}"
     if v.fatal is not None:
-        return f"stage {stage} reported {v.fatal.kind}: {v.fatal.line}"
+        return f"{name} reported {v.fatal.kind}: {v.fatal.line}"
     if v.exited is not None:
-        return f"stage {stage} {_exit_text(v.exited)}"
+        return f"{name} {_exit_text(v.exited)}"
     if v.stopped:
-        return f"stage {stage} stalled: its process is stopped (SIGSTOP)"
+        return f"{name} stalled: its process is stopped (SIGSTOP)"
     if v.alive and now - v.last_heard > cfg.heartbeat_timeout:
-        return f"stage {stage} stalled: no heartbeat for {now - v.last_heard:.1f}s"
+        return f"{name} stalled: no heartbeat for {now - v.last_heard:.1f}s"
     hb = v.heartbeat
     if hb is not None and hb.busy:
         running = hb.busy_for_s + (now - v.heartbeat_at)
         deadline = cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context, hb.busy_reserve)
         if running > deadline:
             return (
-                f"stage {stage} stalled: one step of {hb.busy_n} positions running for {running:.1f}s "
+                f"{name} stalled: one step of {hb.busy_n} positions running for {running:.1f}s "
                 f"(deadline {deadline:.1f}s)"
             )
     return None

@@ -42,6 +42,7 @@ from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
 from shardline.runner.deadline import SMALL_STEP
+from shardline.runner.spec import runner_name
 from shardline.trust.credentials import CA_FILE, CERT_FILE, KEY_FILE
 
 # What a non-blocking read or write raises when it would wait (a TLS stream says it in its own words).
@@ -416,7 +417,7 @@ class GroupFace(_Sums):
                 stream.close()
                 continue
             stream.slot = self.member_slots[member - 1]
-            stream.peer = f"stage {self.stage} member {member} (runner {stream.slot})"
+            stream.peer = runner_name(self.stage, member, stream.slot, self.size)
             found[member] = stream
         self.members = [found[j] for j in range(1, self.size)]
         self._queryable.undeclare()

@@ -10,6 +10,12 @@ from shardline.controller.settings import InstanceSettings
 from shardline.trust.names import Name, NameOrEmpty
 
 
+def runner_name(ring: int, member: int, slot: int, group: int) -> str:
+    """How messages name a runner: its ring stage (a face's slot is its ring stage), and for a group's other
+    members their place and slot too."""
+    return f"stage {ring}" if group <= 1 or member == 0 else f"stage {ring} member {member} (runner {slot})"
+
+
 class Fault(BaseModel):
     """A failure to inject (tests, chaos bench): at `phase`, after `after_steps` steps of this stage.
 
@@ -72,6 +78,10 @@ class RunnerSpec(InstanceSettings):
     def ring(self) -> int:
         """This runner's stage in the ring."""
         return self.stage if self.position is None else self.position
+
+    @property
+    def name(self) -> str:
+        return runner_name(self.ring, self.member, self.stage, self.group)
 
     @property
     def is_face(self) -> bool:

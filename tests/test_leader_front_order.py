@@ -272,3 +272,61 @@ def test_a_submit_lost_on_the_way_is_reported_once_its_transport_deadline_passes
         fault, at = got
         assert fault.generation == 1 and "Submit of r1 has not reached the leader" in fault.why, fault.why
         assert at - sent >= 1.0  # not before its deadline
+
+
+@pytest.mark.timeout(30)
+def test_a_newer_masters_serving_outranks_a_deposed_masters_newer_generation() -> None:
+    """A master cut off from the stages fails the generation they serve and launches a newer id that never
+    serves; the next master adopts the served one. The front must follow the newer term, not the higher id
+    (a soak lost the requests a front held at a link flap: it waited for a generation that never came)."""
+    from conftest import wait_for
+
+    from shardline.dataplane.transport import Inbox, Keys, open_session
+    from shardline.front.front import Front, ModelLimits
+
+    served = 1 << 20  # term 1's first generation: adopted by term 2
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    keys = Keys(f"terms-{id(session)}")
+    control = Inbox(session, served, name="leader")
+    control.subscribe(keys.at(served).control, m.CONTROL, "control")
+    # Waiting for a leader that never comes must not outlast the test: a newer word ends the wait.
+    front = Front(session, keys, ModelLimits(64, 1024), name="f1", match_timeout=600).start()
+    try:
+        front.announce(m.Serving(generation=served, term=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+        assert front.serving.wait(10)
+        # The deposed master, cut off: its stages vanish, and the generation it tries next fails too.
+        front.announce(m.Recovering(generation=served, why="stage 1 vanished", term=1))
+        front.announce(m.Recovering(generation=served + 1, why="node n2 left", term=1))
+        wait_for(lambda: not front.serving.is_set(), 10, "the front pausing")
+        handle = front.submit([1, 2, 3], max_tokens=4, request_id="held")  # waits in the front
+        # The new master's view: the adopted generation serves.
+        front.announce(m.Serving(generation=served, term=2, kv_bytes_per_token=0, kv_budget_bytes=0))
+        got = control.get(timeout=10).message
+        assert isinstance(got, m.Submit) and got.request.request_id == "held"
+        assert front.generation == served and not handle.done
+        # The deposed master's late give-up fails nothing; the next generation (in order after it) gets the
+        # request again.
+        later = (2 << 20) + 1
+        control2 = Inbox(session, later, name="leader2")
+        control2.subscribe(keys.at(later).control, m.CONTROL, "control")
+        front.announce(m.InstanceFailed(why="gave up while cut off", term=1))
+        front.announce(m.Serving(generation=later, term=2, kv_bytes_per_token=0, kv_budget_bytes=0))
+        got = control2.get(timeout=10).message
+        assert isinstance(got, m.Submit) and got.request.request_id == "held", got
+        assert not handle.done and front.failure is None and front.generation == later
+        control2.close()
+        # A view that still lists a generation whose leader is gone, then the next master's word: the front
+        # stops waiting for the first as soon as the second is queued.
+        gone, last = later + 1, later + 2
+        control3 = Inbox(session, last, name="leader3")
+        control3.subscribe(keys.at(last).control, m.CONTROL, "control")
+        front.announce(m.Serving(generation=gone, term=2, kv_bytes_per_token=0, kv_budget_bytes=0))
+        front.announce(m.Serving(generation=last, term=2, kv_bytes_per_token=0, kv_budget_bytes=0))
+        got = control3.get(timeout=20).message
+        assert isinstance(got, m.Submit) and got.request.request_id == "held", got
+        assert front.generation == last and not handle.done
+        control3.close()
+    finally:
+        front.close()
+        control.close()
+        session.close()

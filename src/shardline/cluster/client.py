@@ -75,7 +75,7 @@ class ClusterClient:
         for rec in view.instances:
             front = fronts.get(rec.instance)
             if front is not None:
-                _catch_up(front, rec)
+                _catch_up(front, rec, view.term)
 
     # ---- the view ------------------------------------------------------------------------------------------
 
@@ -170,8 +170,9 @@ class ClusterClient:
                 self._fronts[instance] = front
             else:
                 rec = self.instance(instance)
+            term = self.view.term if self.view is not None else 0
         if rec is not None:
-            _catch_up(front, rec)
+            _catch_up(front, rec, term)
         return front
 
     def drop_front(self, instance: str, why: str) -> None:
@@ -201,15 +202,17 @@ class ClusterClient:
         self.close()
 
 
-def _catch_up(front: Front, rec: cm.InstanceRecord) -> None:
-    """A front that came late (or missed a message) learns from the view what the controller announced."""
+def _catch_up(front: Front, rec: cm.InstanceRecord, term: int) -> None:
+    """A front that came late (or missed a message) learns from the view, of master term `term`, what the
+    controller announced."""
     if rec.phase == "ready" and front.generation != rec.generation:
         front.announce(
             m.Serving(
                 generation=rec.generation,
+                term=term,
                 kv_bytes_per_token=rec.kv_bytes_per_token,
                 kv_budget_bytes=rec.kv_budget_bytes,
             )
         )
     elif rec.phase == "failed" and front.failure is None:
-        front.announce(m.InstanceFailed(why=rec.why))
+        front.announce(m.InstanceFailed(why=rec.why, term=term))

@@ -208,6 +208,7 @@ class InstanceController:
     def _serving(self) -> m.Serving:
         return m.Serving(
             generation=self.state.generation,
+            term=self.term,
             kv_bytes_per_token=self.kv_bytes_per_token,
             kv_budget_bytes=self.kv_budget_bytes,
             kv_block=self.config.prefill_step,
@@ -253,14 +254,14 @@ class InstanceController:
             return
         s.phase = "backoff"
         s.retry_at = now + decision.backoff_s
-        self._say(m.Recovering(generation=s.generation, why=why))
+        self._say(m.Recovering(generation=s.generation, why=why, term=self.term))
 
     def _give_up(self, why: str) -> None:
         log.error("instance %s failed: %s", self.keys.instance, why)
         self.state.phase = "failed"
         self.state.failure = why
         self._stop_all()
-        self._say(m.InstanceFailed(why=why))
+        self._say(m.InstanceFailed(why=why, term=self.term))
         self._cond.notify_all()
 
     def _stop_all(self) -> None:

@@ -438,11 +438,15 @@ REJOIN = TypeAdapter(Rejoin)
 
 
 # ---- instance: controller -> fronts ---------------------------------------------------------------------
+# `term`: the master term whose controller said it (0 for a single machine's engine). A front orders what it
+# hears by (term, generation): a master that was cut off and deposed may have launched generations the next
+# master never knew, with higher ids than the one that master adopted and serves.
 
 
 class Serving(Wire):
     kind: Literal["serving"] = "serving"
     generation: int
+    term: int = 0
     kv_bytes_per_token: int  # all stages together
     kv_budget_bytes: int
     kv_block: int = 256  # positions per KV block (the prefill step): reservations are whole blocks
@@ -452,11 +456,13 @@ class Recovering(Wire):
     kind: Literal["recovering"] = "recovering"
     generation: int
     why: str
+    term: int = 0
 
 
 class InstanceFailed(Wire):
     kind: Literal["instance_failed"] = "instance_failed"
     why: str
+    term: int = 0
 
 
 InstanceUpdate = Annotated[Serving | Recovering | InstanceFailed, Field(discriminator="kind")]

@@ -275,6 +275,11 @@ class Inbox:
         """Also hand messages from `source` to `callback` as they arrive (for a wait that cannot read)."""
         self._watchers[source] = callback
 
+    def queued(self, source: str) -> list[Any]:
+        """The messages from `source` waiting to be read, in order (a snapshot: more may come)."""
+        with self._queue.mutex:
+            return [e.message for e in self._queue.queue if e.source == source]
+
     def inject(self, source: str, message: Any) -> None:
         """Queue a message as if it had arrived (what a late receiver learns from elsewhere)."""
         self._put(Envelope(source, message, None))

@@ -6,7 +6,8 @@ generation's leader. It checks what the leader tells it: a gap in token indices,
 than the client has, or a request the leader no longer holds is a lost message, reported to the controller
 as a fault of that generation (which rebuilds it); never a silently short answer. A report is a publication,
 lost when no master listens at that moment (a master change, a link just back): a fault still seen is
-reported again every REPORT_AGAIN_S until a new generation serves.
+reported again every REPORT_AGAIN_S until a new generation serves. What controllers announce is ordered by
+(master term, generation): a deposed master's last words never outrank the next master's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ MAX_REQUEST_ID = 128
 # that dropped what it held): transport time, whatever the leader is computing, plus a flap within the lease.
 SUBMIT_LOST_S = 8.0
 REPORT_AGAIN_S = 1.0  # a generation's fault still seen this long after its last report is reported again
+
+
+class _Superseded(Exception):
+    """A newer update arrived while the front waited for a generation's leader."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,9 @@ class Front:
         self.closed = False
         self.serving = threading.Event()
         self._reported: tuple[int, float] | None = None  # (generation, when) of the last fault report
-        self._newest = -1  # the newest generation announced
+        self._newest = (-1, -1)  # (master term, generation) of the newest Serving / Recovering heard
+        self._unreachable = (-1, -1)  # the newest Serving whose leader never answered (reported already)
+        self._failed_term = -1  # the term whose controller gave the instance up
         self.leader_held = 0  # requests the serving leader holds (admitted or waiting), from its last beat
         self.figures = LeaderFigures()  # the instance's traffic from every front, from the leader's beats
         self._inbox = Inbox(session, name=self.name)
@@ -261,18 +268,35 @@ class Front:
                 log.exception("front failed on %s", type(env.message).__name__)
 
     def _on_update(self, msg: Any) -> None:
-        if isinstance(msg, m.Serving | m.Recovering) and msg.generation < self._newest:
-            return  # generations only move forward: an older one's word is stale
+        # Generations only move forward within a term, and a newer master's word outranks a deposed one's:
+        # cut off, an old master may have failed the generation the next one adopted and launched a newer id
+        # that never served. Its Recovering must not hide the adopted generation's Serving.
+        if isinstance(msg, m.Serving | m.Recovering) and (msg.term, msg.generation) < self._newest:
+            return
+        if isinstance(msg, m.Serving) and (msg.term, msg.generation) <= self._unreachable:
+            # A view that still lists a generation whose leader is gone (a new master deciding what to
+            # adopt) repeats its Serving each period: waited for once, reported once.
+            return
+        if isinstance(msg, m.InstanceFailed) and msg.term < self._newest[0]:
+            return  # given up by a master that was deposed since
         if isinstance(msg, m.Serving) and msg.generation == self.generation:
+            self._newest = max(self._newest, (msg.term, msg.generation))
             return  # told twice (by the controller and by the view): already serving it
         if isinstance(msg, m.Serving | m.Recovering):
-            self._newest = msg.generation
+            self._newest = (msg.term, msg.generation)
+        if isinstance(msg, m.Serving) and self.failure is not None and msg.term > self._failed_term:
+            with self._lock:
+                self.failure = None  # a newer master serves what a deposed one gave up
         if isinstance(msg, m.Serving):
             control = Outbox(self._session, self.keys.at(msg.generation).control, msg.generation)
             try:
-                control.wait_matched(self.match_timeout)
+                control.wait_matched(self.match_timeout, abort=lambda: self._superseded(msg))
+            except _Superseded:
+                control.close()  # a newer word waits behind this one: no fault, no wait to the end
+                return
             except DeadlineExceeded as exc:
                 control.close()
+                self._unreachable = max(self._unreachable, (msg.term, msg.generation))
                 self._report_fault(msg.generation, str(exc))
                 return
             with self._lock:
@@ -313,10 +337,21 @@ class Front:
                 old.close()
         elif isinstance(msg, m.InstanceFailed):
             with self._lock:
+                self._failed_term = msg.term
                 self.failure = msg.why
                 self.generation = None
                 self._fail_all(f"instance failed: {msg.why}")
             self.serving.set()  # wakes whoever waits for the first generation: it will not come
+
+    def _superseded(self, serving: m.Serving) -> None:
+        """Raises _Superseded when an update queued behind `serving` outranks it: a view still listing a
+        generation whose leader is gone must not hold the front while the next master's word waits."""
+        key = (serving.term, serving.generation)
+        for u in self._inbox.queued("updates"):
+            if isinstance(u, m.Serving | m.Recovering) and (u.term, u.generation) > key:
+                raise _Superseded
+            if isinstance(u, m.InstanceFailed) and u.term >= serving.term:
+                raise _Superseded
 
     def _on_event(self, env: Envelope) -> None:
         msg = env.message

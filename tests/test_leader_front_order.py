@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from shardline.dataplane import messages as m
 from shardline.runner.leader import Leader
@@ -279,8 +280,6 @@ def test_a_newer_masters_serving_outranks_a_deposed_masters_newer_generation() -
     """A master cut off from the stages fails the generation they serve and launches a newer id that never
     serves; the next master adopts the served one. The front must follow the newer term, not the higher id
     (a soak lost the requests a front held at a link flap: it waited for a generation that never came)."""
-    from conftest import wait_for
-
     from shardline.dataplane.transport import Inbox, Keys, open_session
     from shardline.front.front import Front, ModelLimits
 

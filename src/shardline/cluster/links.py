@@ -64,13 +64,16 @@ class LinkProber:
                 return time.perf_counter() - start
         return None
 
+    def _best(self, peer: str, nbytes: int, tries: int) -> float | None:
+        times = [t for t in (self._ask(peer, nbytes) for _ in range(tries)) if t is not None]
+        return min(times) if times else None
+
     def measure(self, peer: str) -> cm.LinkFact | None:
-        small = [t for t in (self._ask(peer, 16) for _ in range(SMALL_TRIES)) if t is not None]
-        bulk = [t for t in (self._ask(peer, BULK_BYTES) for _ in range(BULK_TRIES)) if t is not None]
-        if not small or not bulk:
+        rtt = self._best(peer, 16, SMALL_TRIES)
+        bulk = self._best(peer, BULK_BYTES, BULK_TRIES)
+        if rtt is None or bulk is None:
             return None
-        rtt = min(small)
-        return cm.LinkFact(rtt_us=rtt * 1e6, bytes_per_s=BULK_BYTES / max(min(bulk) - rtt, 1e-6))
+        return cm.LinkFact(rtt_us=rtt * 1e6, bytes_per_s=BULK_BYTES / max(bulk - rtt, 1e-6))
 
     def snapshot(self) -> dict[str, cm.LinkFact]:
         with self._lock:

@@ -603,9 +603,8 @@ def _transitions(
     if new.recoveries > old.recoveries:
         # Name the node as well as the stage: that is what a user can act on. A group member is named by
         # its slot ("stage 0 member 1 (runner 2)"); a face that lost one names it last, after itself.
-        runners = re.findall(r"\(runner (\d+)\)", new.why)
-        where = re.search(r"stage (\d+)", new.why)
-        k = int(runners[-1]) if runners else int(where[1]) if where else -1
+        named = re.findall(r"\(runner (\d+)\)", new.why) or re.findall(r"stage (\d+)", new.why)[:1]
+        k = int(named[-1]) if named else -1
         node = old.stages[k].node_id if 0 <= k < len(old.stages) else ""
         message = f"{new.why} (node {node})" if node else new.why
         out.append(cm.ClusterEvent(at=now, kind="failure", node=node, instance=new.instance, message=message))

@@ -601,6 +601,16 @@ class NetLab:
         """Undo split(): every port back on br0."""
         self.split([self.hosts])
 
+    @contextlib.contextmanager
+    def partitioned(self, groups: Sequence[Sequence[Host | int | str]]) -> Iterator[None]:
+        """split(groups) for the block, healed however it ends (an exception, a Ctrl-C): a test or bench
+        never leaves the switch cut. Hosts in no group keep their port where it is (br0 in a healed lab)."""
+        try:
+            self.split(groups)
+            yield
+        finally:
+            self.heal()
+
     def _wait_carrier(self, h: Host, up: bool, timeout: float = 5.0) -> None:
         def ok() -> bool:
             links = _ip_json("-n", h.name, "link", "show", h.interface)

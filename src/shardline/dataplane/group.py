@@ -13,7 +13,12 @@ off is named within it (DeadlineExceeded, or TransportError when its stream brea
 any other. Idle waits (a member between steps) have none; a face that vanishes breaks the stream.
 
 A member proves itself with an HMAC of the face's nonce under the cluster key (when there is one), so a
-process that is not one of the group's members cannot join it or feed it sums.
+process that is not one of the group's members cannot join it or feed it sums. The face spends little on a
+stranger before that proof: each incoming connection is handled on its own thread (at most MAX_HANDSHAKES at
+once), within HANDSHAKE_S seconds (TLS handshake included) and HELLO_MAX bytes, and nothing sized by the peer
+is allocated before the hello's MAC checks. A connection that holds its slot cannot keep a member out: the
+member is admitted beside it, and is told so (one ACK byte); a member refused or crowded out tries again until
+its deadline. On a TLS cluster the peer's certificate must also be a node's, not revoked (trust/roles.py).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import hashlib
 import hmac
 import logging
 import os
+import queue
 import select
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -43,6 +50,7 @@ from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
 from shardline.runner.deadline import SMALL_STEP
 from shardline.runner.spec import runner_name
+from shardline.trust import roles
 from shardline.trust.credentials import CA_FILE, CERT_FILE, KEY_FILE
 
 # What a non-blocking read or write raises when it would wait (a TLS stream says it in its own words).
@@ -53,6 +61,13 @@ _SUM = struct.Struct("<qiQ")  # step seq, index within the step, payload bytes
 MESSAGE, SUM = 0, 1
 NONCE_BYTES = 16
 MAX_FRAME = 1 << 34  # far above any step's input, below what a length field could claim to wedge us
+# What the face spends on a connection before it is proven a member: a hello is ~200 bytes of JSON; a member
+# on a loaded machine answers within a second. Both are fixed: a stranger cannot make the face wait or
+# allocate more, whatever its length field says.
+HELLO_MAX = 4096
+HANDSHAKE_S = 3.0
+MAX_HANDSHAKES = 16  # connections being proven at once; more are closed at accept (a member retries)
+ACK = b"\x06"  # the face's word that a member was admitted
 log = logging.getLogger("shardline.group")
 SPIN_S = 1e-3  # a read polls this long before it sleeps in poll(): see _Stream
 # Sums as an MLX op (csrc/qmm/group_sum.h) where the streams are plain TCP and the device the CPU: a step's
@@ -338,6 +353,7 @@ def tls_context(tls_dir: Path | None, server: bool) -> ssl.SSLContext | None:
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.load_verify_locations(str(tls_dir / CA_FILE))
     ctx.load_cert_chain(str(tls_dir / CERT_FILE), str(tls_dir / KEY_FILE))
+    ctx.shardline_revoked = roles.revoked_serials(tls_dir)  # type: ignore[attr-defined]
     return ctx
 
 
@@ -345,7 +361,17 @@ def _secure(sock: socket.socket, ctx: ssl.SSLContext | None, server: bool, timeo
     if ctx is None:
         return sock
     sock.settimeout(timeout)  # the handshake blocks, within the bring-up's deadline
-    return ctx.wrap_socket(sock, server_side=server)
+    secured = ctx.wrap_socket(sock, server_side=server)
+    peer = secured.getpeercert(binary_form=True)
+    if peer is not None and (why := roles.refusal(peer, roles.NODE, ctx_revoked(ctx))):
+        secured.close()
+        raise ssl.SSLError(f"peer certificate refused: {why}")
+    return secured
+
+
+def ctx_revoked(ctx: ssl.SSLContext) -> frozenset[int]:
+    """The serial numbers the cluster revoked, as the context was made with (tls_context)."""
+    return getattr(ctx, "shardline_revoked", frozenset())
 
 
 def _host_of(listen: list[str]) -> str:
@@ -391,44 +417,114 @@ class GroupFace(_Sums):
             pass
 
     def admit(self, timeout: float, abort: Callable[[], None] = lambda: None) -> None:
-        """Wait (bring-up, with a deadline) until every member connected and proved who it is."""
+        """Wait (bring-up, with a deadline) until every member connected and proved who it is. Each
+        connection is proven on its own thread, at most MAX_HANDSHAKES at once, each within HANDSHAKE_S."""
         deadline = time.monotonic() + timeout
         found: dict[int, _Stream] = {}
-        self.server.settimeout(0.2)
-        while len(found) < self.size - 1:
-            if time.monotonic() >= deadline:
-                missing = sorted(set(range(1, self.size)) - set(found))
-                raise DeadlineExceeded(f"group of stage {self.stage}: members {missing} never joined")
-            abort()
+        proven: queue.Queue[tuple[int, _Stream] | None] = queue.Queue()
+        slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        done = threading.Event()
+        self.server.settimeout(0.05)
+        try:
+            while len(found) < self.size - 1:
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(1, self.size)) - set(found))
+                    raise DeadlineExceeded(f"group of stage {self.stage}: members {missing} never joined")
+                abort()
+                self._take_proven(proven, found)
+                try:
+                    sock, addr = self.server.accept()
+                except TimeoutError:
+                    continue
+                if not slots.acquire(blocking=False):
+                    sock.close()  # crowded: a member among the crowd tries again
+                    self.refused += 1
+                    continue
+                threading.Thread(
+                    target=self._prove,
+                    args=(sock, addr, min(deadline, time.monotonic() + HANDSHAKE_S), proven, slots, done),
+                    name=f"group-hello-{addr[1]}",
+                    daemon=True,
+                ).start()
+        finally:
+            done.set()  # handshakes still running close what they proved: nobody takes it now
+            self._drain(proven)
+        self.members = [found[j] for j in range(1, self.size)]
+        self._queryable.undeclare()
+        self._go_native(self.members, face=True, pair=self.size == 2)
+
+    def _take_proven(
+        self, proven: queue.Queue[tuple[int, _Stream] | None], found: dict[int, _Stream]
+    ) -> None:
+        while True:
             try:
-                sock, addr = self.server.accept()
-            except TimeoutError:
-                continue
-            try:
-                sock = _secure(sock, self.tls, True, 10.0)
-                stream = _Stream(sock, f"member at {addr[0]}:{addr[1]}")
-                member = self._handshake(stream, min(deadline, time.monotonic() + 10.0))
-            except (TransportError, DeadlineExceeded, frame.FrameError, ValueError, OSError):
-                sock.close()
+                got = proven.get_nowait()
+            except queue.Empty:
+                return
+            if got is None:
                 self.refused += 1
                 continue
-            if member in found:
+            member, stream = got
+            if member in found:  # one member, one stream: a second claim of the same place is refused
+                self.refused += 1
+                stream.close()
+                continue
+            try:
+                stream.send([ACK], time.monotonic() + HANDSHAKE_S, "admitting a member")
+            except (TransportError, DeadlineExceeded):
                 self.refused += 1
                 stream.close()
                 continue
             stream.slot = self.member_slots[member - 1]
             stream.peer = runner_name(self.stage, member, stream.slot, self.size)
             found[member] = stream
-        self.members = [found[j] for j in range(1, self.size)]
-        self._queryable.undeclare()
-        self._go_native(self.members, face=True, pair=self.size == 2)
+
+    @staticmethod
+    def _drain(proven: queue.Queue[tuple[int, _Stream] | None]) -> None:
+        while True:
+            try:
+                got = proven.get_nowait()
+            except queue.Empty:
+                return
+            if got is not None:
+                got[1].close()
+
+    def _prove(
+        self,
+        sock: socket.socket,
+        addr: Any,
+        deadline: float,
+        proven: queue.Queue[tuple[int, _Stream] | None],
+        slots: threading.BoundedSemaphore,
+        done: threading.Event,
+    ) -> None:
+        """One connection's handshake, on its own thread, within `deadline` (TLS included)."""
+        try:
+            try:
+                sock = _secure(sock, self.tls, True, max(0.01, deadline - time.monotonic()))
+                stream = _Stream(sock, f"member at {addr[0]}:{addr[1]}")
+                member = self._handshake(stream, deadline)
+            except (TransportError, DeadlineExceeded, frame.FrameError, ValueError, OSError):
+                sock.close()
+                proven.put(None)
+                return
+            proven.put((member, stream))
+            if done.is_set():  # admit ended meanwhile: nobody will take it
+                self._drain(proven)
+        finally:
+            slots.release()
 
     def _handshake(self, stream: _Stream, deadline: float) -> int:
+        """The member this stream proves to be. Reads at most HELLO_MAX bytes: a longer hello is refused by
+        its length field, before anything of that length is read or allocated."""
         nonce = os.urandom(NONCE_BYTES)
         stream.send([nonce], deadline, "greeting")
         if stream.read_kind(deadline, "waiting for a hello") != MESSAGE:
             raise ValueError("no hello")
-        hello, _ = stream.read_message(deadline)
+        (n,) = _MESSAGE.unpack(stream.read(_MESSAGE.size, deadline, "reading a hello"))
+        if n > HELLO_MAX:
+            raise ValueError(f"a hello of {n} bytes (at most {HELLO_MAX})")
+        hello, _ = frame.decode(bytes(stream.read(n, deadline, "reading a hello")), m.GROUP)
         if not isinstance(hello, m.GroupHello):
             raise ValueError(f"{hello.kind} before hello")
         ok = (
@@ -514,21 +610,56 @@ class GroupMember(_Sums):
         self.generation = keys.generation
         self.pair = size == 2  # with one other member, sums are exchanged both ways at once
         deadline = time.monotonic() + timeout
-        address = self._find(session, group_key(keys, stage), deadline, abort)
-        host, port = address.rsplit(":", 1)
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
-            sock = _secure(
-                sock, tls_context(tls_dir, server=False), False, max(0.1, deadline - time.monotonic())
-            )
-        except OSError as exc:
-            raise TransportError(f"stage {stage} member {member}: face at {address} unreachable") from exc
-        self.face = _Stream(sock, f"stage {stage}'s face (runner {stage})", slot=stage)
-        nonce = bytes(self.face.read(NONCE_BYTES, deadline, "waiting for the face's greeting"))
-        hello = m.GroupHello(instance=keys.instance, generation=keys.generation, stage=stage, member=member)
-        hello = hello.model_copy(update={"mac": _mac(key, nonce, hello)})
-        self.face.send_message(hello, None, keys.generation, deadline)
+        self.face = self._join(session, keys, stage, member, key, deadline, abort, tls_dir)
         self._go_native([self.face], face=False, pair=self.pair)
+
+    def _join(
+        self,
+        session: zenoh.Session,
+        keys: Keys,
+        stage: int,
+        member: int,
+        key: str | None,
+        deadline: float,
+        abort: Callable[[], None],
+        tls_dir: Path | None,
+    ) -> _Stream:
+        """A stream to the face that admitted this member (its ACK read): tried again until the deadline
+        when the face refuses or closes it (a crowd of strangers may hold its handshake slots)."""
+        ctx = tls_context(tls_dir, server=False)
+        while True:
+            address = self._find(session, group_key(keys, stage), deadline, abort)
+            host, port = address.rsplit(":", 1)
+            try:
+                sock = socket.create_connection(
+                    (host, int(port)), timeout=max(0.1, deadline - time.monotonic())
+                )
+                sock = _secure(sock, ctx, False, max(0.1, deadline - time.monotonic()))
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"stage {stage} member {member}: face at {address} unreachable"
+                    ) from exc
+                abort()
+                time.sleep(0.05)  # a retry period, not a synchronisation
+                continue
+            face = _Stream(sock, f"stage {stage}'s face (runner {stage})", slot=stage)
+            try:
+                nonce = bytes(face.read(NONCE_BYTES, deadline, "waiting for the face's greeting"))
+                hello = m.GroupHello(
+                    instance=keys.instance, generation=keys.generation, stage=stage, member=member
+                )
+                hello = hello.model_copy(update={"mac": _mac(key, nonce, hello)})
+                face.send_message(hello, None, keys.generation, deadline)
+                if bytes(face.read(len(ACK), deadline, "waiting to be admitted")) != ACK:
+                    raise TransportError(f"stage {stage}'s face did not admit member {member}")
+                return face
+            except TransportError:
+                face.close()
+                if time.monotonic() >= deadline:
+                    raise
+                abort()
+                time.sleep(0.05)  # a retry period, not a synchronisation
 
     @staticmethod
     def _find(session: zenoh.Session, key: str, deadline: float, abort: Callable[[], None]) -> str:

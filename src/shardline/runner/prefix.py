@@ -57,7 +57,9 @@ class Held:
 
     reserved: int  # bytes it may still allocate
     keys: list[bytes]
-    blocks: list[bytes] = field(default_factory=list)
+    # The blocks themselves, not their keys: a block evicted while held may be cached anew under the same
+    # key by another request, and this request's release must not take that one's reference.
+    blocks: list[Block] = field(default_factory=list)
     attached: int = 0  # blocks it started from
 
 
@@ -75,6 +77,7 @@ class PrefixLedger:
         self.clock = 0
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of those, found cached
+        self.dropped: list[int] = []  # evicted by a seal, told to the stages at the next release
 
     # ---- bytes ----------------------------------------------------------------------------------------
 
@@ -102,8 +105,9 @@ class PrefixLedger:
         for need in needs:
             if self.budget:
                 while used + need > self.budget and (gone := self._evict_one()):
-                    evicted += gone
-                    used -= len(gone) * self.block_bytes
+                    evicted += [b.id for b in gone]
+                    # A running request's own block goes with its parent, but its reservation still pays.
+                    used -= sum(1 for b in gone if b.owner is None) * self.block_bytes
                 if used + need > self.budget:
                     break
             used += need
@@ -133,7 +137,7 @@ class PrefixLedger:
         for b in found:
             b.refs += 1
             b.last_used = self.clock
-            h.blocks.append(b.key)
+            h.blocks.append(b)
         h.attached = len(found)
         h.reserved = max(0, h.reserved - len(found) * self.block_bytes)
         return [b.id for b in found]
@@ -148,33 +152,33 @@ class PrefixLedger:
         parent = h.keys[index - 1] if index else None
         if key in self.blocks or (parent is not None and parent not in self.blocks):
             return None
-        if self.budget == 0 and len(self.blocks) >= UNBUDGETED_BLOCKS and not self._evict_one():
-            return None
+        if self.budget == 0 and len(self.blocks) >= UNBUDGETED_BLOCKS:
+            gone = self._evict_one()
+            if not gone:
+                return None
+            self.dropped += [g.id for g in gone]
         self.clock += 1
         b = Block(self.next_id, key, index, parent, refs=1, owner=request_id, last_used=self.clock)
         self.next_id += 1
         self.blocks[key] = b
         if parent is not None:
             self.blocks[parent].children.add(key)
-        h.blocks.append(key)
+        h.blocks.append(b)
         return b.id
 
     def release(self, request_id: str) -> list[int]:
-        """A request ended: its blocks stay cached, unowned. Returns blocks evicted to stay within the
-        unbudgeted cap."""
+        """A request ended: its blocks stay cached, unowned. Returns the blocks evicted since the last release
+        (by seals, and now to stay within the unbudgeted cap), for the stages to drop."""
+        evicted, self.dropped = self.dropped, []
         h = self.held.pop(request_id, None)
         if h is None:
-            return []
-        for key in h.blocks:
-            b = self.blocks.get(key)
-            if b is None:
-                continue
+            return evicted
+        for b in h.blocks:  # an evicted one included: it is out of the index, its count no longer matters
             b.refs -= 1
             if b.owner == request_id:
                 b.owner = None
-        evicted: list[int] = []
         while self.budget == 0 and len(self.blocks) > UNBUDGETED_BLOCKS and (gone := self._evict_one()):
-            evicted += gone
+            evicted += [b.id for b in gone]
         return evicted
 
     def cached_tokens(self, request_id: str) -> int:
@@ -183,9 +187,9 @@ class PrefixLedger:
 
     # ---- eviction ---------------------------------------------------------------------------------------
 
-    def _evict_one(self) -> list[int]:
+    def _evict_one(self) -> list[Block]:
         """Drop the least recently used block no request holds (the deepest first among equals), with the
-        blocks cached after it, which no lookup could reach any more. Their ids.
+        blocks cached after it, which no lookup could reach any more.
 
         A block after it that a running request holds is that request's own (one that attached it would hold
         this one too): its reservation still pays for it, and the request keeps its arrays."""
@@ -193,12 +197,12 @@ class PrefixLedger:
         if not victims:
             return []
         victim = min(victims, key=lambda b: (b.last_used, -b.depth))
-        gone: list[int] = []
+        gone: list[Block] = []
         stack = [victim.key]
         while stack:
             b = self.blocks.pop(stack.pop())
             stack.extend(k for k in b.children if k in self.blocks)
-            gone.append(b.id)
+            gone.append(b)
         if victim.parent is not None and victim.parent in self.blocks:
             self.blocks[victim.parent].children.discard(victim.key)
         return gone

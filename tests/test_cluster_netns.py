@@ -262,6 +262,7 @@ class LabNode:
         argv += ["--models-dir", str(models), "--namespace", namespace, "--threads", "1", "--no-api"]
         argv += ["--prefill-step", "8", "--lease-ms", str(int(LEASE_S * 1000))]
         argv += ["--runner-settings", json.dumps(FAST_RUNNERS), *(["--tls", str(tls)] if tls else [])]
+        argv += [] if tls else ["--insecure"]  # an open cluster off loopback, on purpose
         with open(self.log, "wb") as out:
             self.proc = lab.popen(host, argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self._process: psutil.Process | None = None

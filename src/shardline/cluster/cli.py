@@ -94,14 +94,32 @@ def cmd_node(args: argparse.Namespace) -> int:
     from shardline.cluster.allocator import bound_arenas
     from shardline.cluster.node import Node, NodeConfig
     from shardline.cluster.resources import parse_size
+    from shardline.trust.exposure import open_refusal
 
+    creds = credentials(args)
+    refusal = open_refusal(
+        args.listen,
+        args.peer or [],
+        args.multicast_interface,
+        creds.key is not None or creds.tls,
+        args.insecure,
+    )
+    if refusal is not None:
+        raise CliError(refusal)
+    if creds.tls_dir is not None and (why := own_certificate_refusal(creds.tls_dir)):
+        raise CliError(f"{creds.tls_dir}: {why}: it cannot run a node")
+    if creds.key is None and not creds.tls and args.insecure:
+        print(
+            "shardline: an open cluster (--insecure): anyone who reaches this node may use it",
+            file=sys.stderr,
+        )
     runners = runner_settings(args)
     config = NodeConfig(
         namespace=args.namespace,
         listen=args.listen,
         peers=args.peer or [],
         multicast_interface=args.multicast_interface,
-        credentials=credentials(args),
+        credentials=creds,
         allow_faults=args.allow_faults,
         data_dir=args.data_dir,
         models_dir=args.models_dir,
@@ -123,6 +141,20 @@ def cmd_node(args: argparse.Namespace) -> int:
     finally:
         node.close()
     return 0
+
+
+def own_certificate_refusal(tls_dir: Path) -> str | None:
+    """Why this TLS folder's certificate may not run a node (a client's, revoked, or without a role)."""
+    from cryptography import x509
+
+    from shardline.trust import roles
+    from shardline.trust.credentials import CERT_FILE, CredentialsError
+
+    try:
+        cert = x509.load_pem_x509_certificate((tls_dir / CERT_FILE).read_bytes())
+        return roles.refusal(cert, roles.NODE, roles.revoked_serials(tls_dir))
+    except (OSError, ValueError, CredentialsError) as exc:
+        return str(exc)
 
 
 def api_settings(args: argparse.Namespace) -> Any:
@@ -290,7 +322,7 @@ def cmd_cluster_init(args: argparse.Namespace) -> int:
     print(f"cluster CA in {args.dir / 'ca'} (its ca.key stays on this machine); a TLS folder per node:")
     for f in folders:
         if f.name == "client":
-            print(f"  {f}  (for commands: shardline place|generate --tls {f} ...)")
+            print(f"  {f}  (a client's, for commands: shardline place|generate --tls {f} ...; never a node)")
         else:
             print(f"  {f}  (copy it to machine {f.name}, then: shardline node --tls FOLDER ...)")
     return 0
@@ -301,10 +333,30 @@ def cmd_cluster_add_node(args: argparse.Namespace) -> int:
     from shardline.trust.credentials import CredentialsError
 
     try:
-        folder = ca.add_node(args.dir, args.name, args.address)
+        folder = ca.add_node(args.dir, args.name, args.address, role="client" if args.client else "node")
     except (CredentialsError, ValueError) as exc:
         raise CliError(str(exc)) from exc
-    print(f"{folder}: copy to the new machine, then `shardline node --tls FOLDER --peer tls/HOST:PORT ...`")
+    if args.client:
+        print(f"{folder}: a client's (commands only): shardline place|generate --tls {folder} ...")
+    else:
+        print(
+            f"{folder}: copy to the new machine, then `shardline node --tls FOLDER --peer tls/HOST:PORT ...`"
+        )
+    return 0
+
+
+def cmd_cluster_revoke(args: argparse.Namespace) -> int:
+    from shardline.trust import ca
+    from shardline.trust.credentials import CredentialsError
+
+    try:
+        serial = ca.revoke(args.dir, args.name)
+    except CredentialsError as exc:
+        raise CliError(str(exc)) from exc
+    print(
+        f"revoked {args.name} (serial {serial:x}): {args.dir / 'ca' / 'crl.pem'} is copied into every folder "
+        f"under {args.dir / 'nodes'}; copy it into each running node's TLS folder too"
+    )
     return 0
 
 
@@ -362,6 +414,11 @@ def add_commands(sub: Any) -> None:
         "--multicast-interface", default=None, help="discover peers by multicast on this interface"
     )
     add_credential_args(node)
+    node.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run an open cluster (no key, no TLS) beyond loopback: anyone who reaches it may use it",
+    )
     node.add_argument(
         "--allow-faults",
         action="store_true",
@@ -461,7 +518,12 @@ def add_commands(sub: Any) -> None:
     add.add_argument(
         "--address", action="append", default=None, help="an IP address the node is reached at (repeatable)"
     )
+    add.add_argument("--client", action="store_true", help="a client's certificate (commands), not a node's")
     add.set_defaults(func=cmd_cluster_add_node)
+    rev = csub.add_parser("revoke", help="revoke the certificate DIR/nodes/NAME (a CRL signed by DIR's CA)")
+    rev.add_argument("dir", type=Path, help="the folder `cluster init` made")
+    rev.add_argument("name", help="the node or client whose certificate is revoked")
+    rev.set_defaults(func=cmd_cluster_revoke)
 
     place = sub.add_parser("place", help="place a model on a running cluster (or preview with --dry-run)")
     place.add_argument("model", help="the model to place (a name some node holds)")

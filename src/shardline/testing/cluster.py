@@ -271,6 +271,7 @@ class LabCluster(LocalCluster):
 
     def argv(self, node_id: str, listen: str, peers: list[str], models_dir: Path | None = None) -> list[str]:
         argv = super().argv(node_id, listen, peers, models_dir)
+        argv += ["--insecure"] if self.key is None and self.tls_root is None else []  # open, off loopback
         return [*argv, "--api-host", self.hosts[node_id].address, "--multicast-interface", HOST_IF]
 
     def add(self, node_id: str, *extra: str, **kw: Any) -> NodeProc:

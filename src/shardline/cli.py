@@ -280,7 +280,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     try:
         netns = use_netns(args.netns)
         kinds = [k.strip() for k in args.faults.split(",") if k.strip()] if args.faults is not None else None
-        faults = fault_kinds(kinds, netns)
+        faults = fault_kinds(kinds, netns, args.nodes)
     except (RuntimeError, ValueError) as exc:
         raise CliError(str(exc)) from exc
     run(
@@ -478,8 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     bso.add_argument(
         "--faults",
         default=None,
-        help="fault kinds to draw from, comma-separated: node_kill, node_stop, runner_stop, link_flap "
-        "(needs --netns) (default: all)",
+        help="fault kinds, comma-separated: node_kill, node_stop, runner_stop, abusive_client (a client "
+        "sending the largest bodies the API takes, 1/s throughout), link_flap and partition (need --netns; "
+        "partition: the master and one node cut off from the rest) (default: all)",
     )
     bso.set_defaults(func=cmd_bench_soak)
     return parser

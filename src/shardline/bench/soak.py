@@ -10,16 +10,36 @@ Nothing goes on the machine's real interfaces. Without network namespaces the no
 with multicast scouting off. With them (`--netns`, the default as root), each node runs in its own host of a
 `NetLab` and the clients in one more: every thread of the soak that speaks HTTP to the nodes runs inside the
 client host's namespace (`NetLab.inside`), since from the root namespace the lab's addresses would be routed
-out of the machine. A further fault then unplugs a node's cable for a few seconds (`link_flap`).
+out of the machine. A further fault then unplugs a node's cable for a few seconds (`link_flap`), and another
+cuts the switch in two (`partition`): the master and one other node (the master alone below five nodes) on one
+side, the other nodes and the client host on the other, held for 10-20 s (5-10 leases of 2 s: the majority
+elects a new master meanwhile), then healed. The clients stay with the majority, so a request to a minority
+node's front started during the cut cannot connect and goes to the next node; one that was in flight at a
+minority front waits for the heal (the front resubmits what it holds once it hears the new generation).
+
+Throughout the run (`abusive_client`), one more client sends one request a second (at most 4 in flight) with
+the largest body the chat API accepts: `n` at its cap, as many biased tokens as the API allows (OpenAI's 300
+where it names no cap), the most and longest stop strings, the longest schema; between two of those, the same
+body with one parameter one past its cap, or a full-vocabulary or duplicated `logit_bias`. The caps are read
+from the API's code (bench/chaos.py: api_limits). Each must be served (200 with `n` choices) or refused with a
+400; anything else is a failure.
 
 What counts:
 - every greedy answer must equal the first clean answer to the same prompt (taken before the chaos starts);
 - requests_lost: requests a node accepted that never got an answer within the deadline, or got a wrong one;
   429/503 refusals are `refused`; a failed connection (a node down) is `unreachable`, and the client retries
   on the next node; a request whose own node was SIGKILLed under it is `cut_by_node_kill` (its front is gone,
-  as the design allows), not lost;
+  as the design allows), not lost; one that ended in an error (an HTTP error status, a broken stream or
+  connection) while its node was on the minority side of a partition is `cut_by_partition` (its own node was
+  cut off: the design allows an error there), not lost and not in http_5xx (kept apart, with examples); one
+  that got no answer within the deadline is lost wherever its node was;
 - http_5xx, leaked_slots (`pending` of /health, or `shardline_requests_pending` of /metrics, once idle),
-  rss_growth_ratio per node, orphan_processes, masters_per_term_max, time to first token, the faults done.
+  rss_growth_ratio per node, orphan_processes, time to first token, the faults done;
+- masters_per_term_max: the most distinct masters any term had, over what every node said (its /state, asked
+  from inside the node's own namespace, so a cut-off side is heard during a partition too);
+- instance_failures: instances that any node ever listed as failed (phase or event), which fails every
+  request on them;
+- abusive_client: per variant, how many were served, refused with a 400, or failed (and why).
 """
 
 from __future__ import annotations
@@ -48,6 +68,15 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 
+from shardline.bench.chaos import (
+    ABUSIVE_EXPECTED,
+    ABUSIVE_PLAN,
+    ApiLimits,
+    abusive_body,
+    abusive_outcome,
+    api_limits,
+    partition_sides,
+)
 from shardline.testing.cluster import FAST_RUNNERS, MODEL_RUNNERS, LabCluster, LocalCluster, NodeProc
 from shardline.testing.netns import NETNS_DIR, Host, NetLab, netns_available, open_lab
 
@@ -65,9 +94,15 @@ MARKER = "SHARDLINE_SOAK_RUN"  # in every node's (so every runner's) environment
 ORPHAN_GRACE_S = 10.0  # a runner may outlive its node this long (it notices and exits) before it is an orphan
 FAULT_INTERVAL_S = 60.0  # mean seconds between node kills and stops (shorter runs: a sixth of the run)
 RESTART_EXCLUDE_S = 60.0  # RSS samples this soon after a node (re)started are not compared
-FAULT_KINDS = ("node_kill", "node_stop", "runner_stop")
-NETNS_FAULT_KINDS = (*FAULT_KINDS, "link_flap")  # a cable to pull needs a lab
+FAULT_KINDS = ("node_kill", "node_stop", "runner_stop", "abusive_client")
+NETNS_FAULT_KINDS = (*FAULT_KINDS, "link_flap", "partition")  # a cable to pull, a switch to cut: a lab
+NETNS_ONLY = ("link_flap", "partition")
+CONTINUOUS_FAULTS = ("abusive_client",)  # runs the whole soak; the chaos thread draws the others
 LINK_DOWN_S = (1.0, 6.0)  # a link flap keeps the cable out this long (seeded, uniform)
+PARTITION_HOLD_S = (10.0, 20.0)  # 5-10 leases (--lease-ms 2000 in the test clusters): a new master is due
+PARTITION_MIN_NODES = 3  # fewer, and neither side holds a majority
+ABUSIVE_INTERVAL_S = 1.0
+ABUSIVE_IN_FLIGHT = 4  # a tick that finds this many still out is skipped (counted), not queued
 LAB_NAME = "slsoak"  # the lab's namespaces: slsoak-br, slsoak-0.. (slsoak2-.. while another soak runs)
 TARGETS = {
     "requests_lost": "== 0",
@@ -75,6 +110,9 @@ TARGETS = {
     "leaked_slots": "== 0",
     "orphan_processes": "== 0",
     "masters_per_term_max": "== 1",
+    "instance_failures": "== 0",
+    "abusive_client": "every request served or refused with a 400",
+    "abusive_as_expected": "the largest body served, every one past a cap refused with a 400",
     "rss_growth_ratio": "<= 1.05",
 }
 
@@ -90,14 +128,23 @@ class Counts:
     unreachable: int = 0
     cut: int = 0
     cut_by_flap: int = 0
+    cut_by_partition: int = 0
     http_5xx: int = 0
     disconnects: int = 0
     kills: int = 0
     stops: int = 0
     link_flaps: int = 0
+    partitions: int = 0
     ttft: list[float] = field(default_factory=list)
     lost_examples: list[str] = field(default_factory=list)
     http_5xx_examples: list[str] = field(default_factory=list)
+    cut_by_partition_examples: list[str] = field(default_factory=list)
+
+    def partition_cut(self, what: str) -> None:
+        with self.lock:
+            self.cut_by_partition += 1
+            if len(self.cut_by_partition_examples) < 20:
+                self.cut_by_partition_examples.append(what[:300])
 
     def server_error(self, what: str) -> None:
         with self.lock:
@@ -117,6 +164,68 @@ class Counts:
                 setattr(self, k, getattr(self, k) + v)
             if len(self.lost_examples) < 20:
                 self.lost_examples.append(why[:300])
+
+
+@dataclass
+class Abuse:
+    """What the abusive client's requests came to: per variant, each outcome (and each HTTP status)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_variant: dict[str, dict[str, int]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(int))
+    )
+    failure_examples: list[str] = field(default_factory=list)
+    unexpected_examples: list[str] = field(default_factory=list)
+    unreachable: int = 0  # a node that refused the connection: the request went to the next node
+    stale_after_cut: int = 0  # a pooled connection the node closed while cut off: sent again elsewhere
+    skipped_ticks: int = 0
+
+    def add(self, **kw: int) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def record(self, variant: str, outcome: str, status: int | None, why: str = "") -> None:
+        """outcome: served, refused_400, failure, cut_by_node_kill or cut_by_partition."""
+        with self.lock:
+            counts = self.by_variant[variant]
+            counts[outcome] += 1
+            if status is not None:
+                counts[f"http_{status}"] += 1
+            if outcome == "failure" and len(self.failure_examples) < 20:
+                self.failure_examples.append(f"{variant}: {why}"[:300])
+            expected = "served" if ABUSIVE_EXPECTED[variant] == 200 else "refused_400"
+            if outcome in ("served", "refused_400") and outcome != expected:
+                counts["unexpected"] += 1
+                if len(self.unexpected_examples) < 20:
+                    self.unexpected_examples.append(f"{variant}: {outcome}, expected {expected} {why}"[:300])
+
+    def report(self, limits: ApiLimits | None, bytes_of: dict[str, int]) -> dict[str, Any]:
+        with self.lock:
+            variants = {v: dict(sorted(c.items())) for v, c in sorted(self.by_variant.items())}
+        total: dict[str, int] = defaultdict(int)
+        for c in variants.values():
+            for k, v in c.items():
+                total[k] += v
+        ends = ("served", "refused_400", "failure", "cut_by_node_kill", "cut_by_partition")
+        return {
+            "sent": sum(total[k] for k in ends),
+            "served": total["served"],
+            "refused_400": total["refused_400"],
+            "failures": total["failure"],
+            "unexpected": total["unexpected"],
+            "cut_by_node_kill": total["cut_by_node_kill"],
+            "cut_by_partition": total["cut_by_partition"],
+            "unreachable": self.unreachable,
+            "stale_connection_after_cut": self.stale_after_cut,
+            "skipped_ticks": self.skipped_ticks,
+            "expected": dict(ABUSIVE_EXPECTED),
+            "by_variant": variants,
+            "limits": limits.as_dict() if limits is not None else None,
+            "body_bytes": bytes_of,
+            "failure_examples": list(self.failure_examples),
+            "unexpected_examples": list(self.unexpected_examples),
+        }
 
 
 def tiny_chat_model(path: Path, seed: int = 0) -> Path:
@@ -179,6 +288,7 @@ class Soak:
         fault_kinds: tuple[str, ...] = FAULT_KINDS,
         lab: NetLab | None = None,
         client_host: Host | None = None,
+        vocab: int | None = None,
     ) -> None:
         self.cluster = cluster
         self.model = model
@@ -213,6 +323,21 @@ class Soak:
         self.orphans: dict[int, str] = {}  # pid -> when it was found
         self.expected: dict[int, str] = {}
         self.fault_log: list[dict[str, Any]] = []
+        # Partitions: [cut at, healed at (None while cut), the minority's nodes].
+        self.partitions: list[tuple[float, float | None, frozenset[str]]] = []
+        self.failed_instances: dict[str, str] = {}  # instance -> what said it failed, first seen
+        self.abuse = Abuse()
+        self.limits: ApiLimits | None = None
+        self.abusive: dict[str, bytes] = {}  # variant -> its body, serialised once
+        self.abusive_n: dict[str, int] = {}  # variant -> the choices a 200 must hold
+        if "abusive_client" in fault_kinds:
+            if vocab is None:
+                raise ValueError("the abusive client needs the model's vocabulary size")
+            self.limits = api_limits(vocab)
+            for variant in ABUSIVE_EXPECTED:
+                body = abusive_body(variant, self.limits, model, max_tokens, seed)
+                self.abusive[variant] = json.dumps(body).encode()
+                self.abusive_n[variant] = int(body["n"])
 
     # ---- the cluster -------------------------------------------------------------------------------------
 
@@ -316,6 +441,23 @@ class Soak:
             return False
         return any(down <= start and start - up <= 30.0 for down, up in self.flaps.get(node_id, []))
 
+    def _partitioned_during(self, node_id: str, start: float) -> bool:
+        """The node was on the minority side of a partition at some moment since `start`."""
+        now = time.monotonic()
+        return any(
+            node_id in cut and down <= now and (up is None or start <= up)
+            for down, up, cut in self.partitions
+        )
+
+    def _stale_after_cut(self, node_id: str, start: float, cause: BaseException | None) -> bool:
+        """As _refused_after_flap, for a node a partition cut off from the clients."""
+        if type(cause).__name__ != "RemoteProtocolError" or "without sending a response" not in str(cause):
+            return False
+        return any(
+            node_id in cut and down <= start and (up is None or start - up <= 30.0)
+            for down, up, cut in self.partitions
+        )
+
     def _killed_during(self, node_id: str, start: float) -> bool:
         now = time.monotonic()
         return any(start - 0.5 <= t <= now for t in self.kill_times.get(node_id, []))
@@ -362,9 +504,11 @@ class Soak:
                     continue
                 if self._killed_during(nid, sent):
                     self.c.add(cut=1)
-                elif self._refused_after_flap(nid, sent, cause):
+                elif self._refused_after_flap(nid, sent, cause) or self._stale_after_cut(nid, sent, cause):
                     self.c.add(cut_by_flap=1)
                     continue  # never received: the next node takes it
+                elif not isinstance(exc, openai.APITimeoutError) and self._partitioned_during(nid, sent):
+                    self.c.partition_cut(f"{nid} {type(exc).__name__}: {cause!r}")
                 elif isinstance(exc, openai.APITimeoutError):
                     self.c.lose(f"{nid} timeout after {time.monotonic() - sent:.1f}s", timed_out=1)
                 else:
@@ -372,6 +516,9 @@ class Soak:
                 return
             except openai.APIStatusError as exc:
                 code = exc.status_code
+                if code != 400 and self._partitioned_during(nid, sent):
+                    self.c.partition_cut(f"{nid} HTTP {code}: {str(exc)[:200]}")
+                    return
                 self.c.add(refused=int(code in (429, 503)))
                 if code >= 500:
                     self.c.server_error(f"{nid} HTTP {code}: {str(exc)[:200]}")
@@ -383,6 +530,8 @@ class Soak:
             except Exception as exc:  # an error event or a broken stream mid-answer
                 if self._killed_during(nid, sent):
                     self.c.add(cut=1)
+                elif self._partitioned_during(nid, sent):
+                    self.c.partition_cut(f"{nid} {type(exc).__name__}: {str(exc)[:200]}")
                 else:
                     self.c.lose(f"{nid} {type(exc).__name__}: {str(exc)[:200]}")
                 return
@@ -409,6 +558,83 @@ class Soak:
             n += 1
         for c in clients.values():
             c.close()
+
+    # ---- the abusive client ------------------------------------------------------------------------------
+
+    def abuse_one(self, variant: str, start_node: int) -> None:
+        """One abusive request, tried on the nodes in turn while they refuse the connection."""
+        body = self.abusive[variant]
+        timeout = httpx.Timeout(self.deadline_s, connect=3.0)
+        headers = {"Content-Type": "application/json"}
+        for k in range(len(self.ids)):
+            nid = self.ids[(start_node + k) % len(self.ids)]
+            url = self.api(nid) + "/v1/chat/completions"
+            sent = time.monotonic()
+            try:
+                r = httpx.post(url, content=body, headers=headers, timeout=timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                self.abuse.add(unreachable=1)
+                continue
+            except httpx.HTTPError as exc:
+                if self._killed_during(nid, sent):
+                    self.abuse.record(variant, "cut_by_node_kill", None)
+                elif self._refused_after_flap(nid, sent, exc) or self._stale_after_cut(nid, sent, exc):
+                    self.abuse.add(stale_after_cut=1)
+                    continue
+                elif not isinstance(exc, httpx.TimeoutException) and self._partitioned_during(nid, sent):
+                    self.abuse.record(variant, "cut_by_partition", None)
+                else:
+                    took = time.monotonic() - sent
+                    self.abuse.record(
+                        variant, "failure", None, f"{nid} {type(exc).__name__} after {took:.1f}s"
+                    )
+                return
+            code = r.status_code
+            outcome = abusive_outcome(code)
+            why = f"{nid} HTTP {code}: {r.text[:200]}"
+            if outcome == "failure" and self._partitioned_during(nid, sent):
+                outcome = "cut_by_partition"
+            elif code >= 500:
+                self.c.server_error(f"abusive {variant} {why}")
+            if outcome == "served":
+                want = self.abusive_n[variant]
+                got = len(r.json().get("choices", []))
+                if got != want:
+                    outcome, why = "failure", f"{nid} served {got} choices of n={want}"
+            self.abuse.record(variant, outcome, code, why)
+            return
+        self.abuse.record(variant, "failure", None, "every node refused the connection")
+
+    def abuser(self) -> None:
+        """ABUSIVE_PLAN in turn, one request a second on the nodes in turn, until the load ends; then every
+        request still out ends (by its deadline)."""
+        slots = threading.BoundedSemaphore(ABUSIVE_IN_FLIGHT)
+        out: list[threading.Thread] = []
+
+        def one(variant: str, start: int) -> None:
+            try:
+                self.abuse_one(variant, start)
+            except Exception as exc:  # the bench's own bug: said and counted, never a dead client
+                self.abuse.record(variant, "failure", None, f"client error {type(exc).__name__}: {exc}")
+            finally:
+                slots.release()
+
+        k = 0
+        tick = time.monotonic()
+        while not self.load_over.is_set():
+            if slots.acquire(blocking=False):
+                variant = ABUSIVE_PLAN[k % len(ABUSIVE_PLAN)]
+                t = threading.Thread(target=one, args=(variant, k % len(self.ids)), daemon=True)
+                t.start()  # born in this thread's namespace: the client host's
+                out.append(t)
+                k += 1
+            else:
+                self.abuse.add(skipped_ticks=1)
+            tick += ABUSIVE_INTERVAL_S
+            self.load_over.wait(max(0.0, tick - time.monotonic()))
+            out = [t for t in out if t.is_alive()]
+        for t in out:
+            t.join(self.deadline_s + 10)
 
     # ---- chaos -------------------------------------------------------------------------------------------
 
@@ -481,8 +707,59 @@ class Soak:
             self.flaps[nid].append((down, time.monotonic()))
         return time.monotonic()
 
+    def _state_in(self, nid: str, timeout: float = 2.0) -> dict[str, Any] | None:
+        """The node's /state asked from inside its own host (in a lab): heard whichever side of a cut it is
+        on. Without a lab, from here."""
+        if self.lab is None or not isinstance(self.cluster, LabCluster):
+            r = _get(self.api(nid) + "/state", timeout)
+        else:
+            with self.api_lock:
+                url = self.apis[nid]
+            with self.lab.inside(self.cluster.hosts[nid]):
+                r = _get(url + "/state", timeout)
+        return r.json() if r is not None and r.status_code == 200 else None
+
+    def _partition(self, rng: random.Random, entry: dict[str, Any]) -> None:
+        """Cut the master and one other node off from the rest (the clients stay with the rest) for a hold
+        of several leases; watch the majority elect; heal."""
+        assert self.lab is not None and isinstance(self.cluster, LabCluster) and self.client_host is not None
+        before = self.state()
+        master, term = before.get("master"), int(before.get("term", 0))
+        if master not in self.ids:
+            raise RuntimeError(f"no master to cut off (the cluster says {master!r})")
+        minority, majority = partition_sides(self.ids, master, rng)
+        hold = rng.uniform(*PARTITION_HOLD_S)
+        entry.update(node=master, term=term, minority=minority, majority=majority, clients_with="majority")
+        entry["hold_s"] = round(hold, 2)
+        hosts = self.cluster.hosts
+        self.c.add(partitions=1)
+        down = time.monotonic()
+        self.partitions.append((down, None, frozenset(minority)))
+        try:
+            with self.lab.partitioned(
+                [[*(hosts[n] for n in majority), self.client_host], [hosts[n] for n in minority]]
+            ):
+                while not self.stop.is_set() and time.monotonic() < down + hold:
+                    if "new_master" not in entry:
+                        for nid in majority:
+                            s = self.state(nid)
+                            if int(s.get("term", 0)) > term and s.get("master") in majority:
+                                entry["new_master"], entry["new_term"] = s["master"], int(s["term"])
+                                entry["elected_after_s"] = round(time.monotonic() - down, 1)
+                                break
+                    self.stop.wait(0.5)
+                # What the cut-off side believes at the end of the hold: a master that lost its quorum for a
+                # lease has stepped down (None), or follows its old term.
+                views = {nid: self._state_in(nid) for nid in minority}
+                entry["minority_views"] = {
+                    nid: None if v is None else {"term": v.get("term"), "master": v.get("master")}
+                    for nid, v in views.items()
+                }
+        finally:
+            self.partitions[-1] = (down, time.monotonic(), frozenset(minority))
+
     def fault(self, rng: random.Random) -> None:
-        kind = rng.choice(self.fault_kinds)
+        kind = rng.choice([k for k in self.fault_kinds if k not in CONTINUOUS_FAULTS])
         nid = rng.choice(self.ids)
         n = self.cluster.nodes[nid]
         at = time.monotonic()
@@ -518,6 +795,9 @@ class Soak:
             down = rng.uniform(*LINK_DOWN_S)
             entry["down_s"] = round(down, 2)
             up = self._flap(nid, down)
+        elif kind == "partition":
+            self._partition(rng, entry)
+            up = time.monotonic()
         entry["recovered"] = self.wait_healthy(self.recover_s)
         if up is not None:
             entry["ready_after_up_s"] = round(time.monotonic() - up, 1)
@@ -532,6 +812,8 @@ class Soak:
         # for faults a minute apart, and one fault may cost two restarts (a node stop: a leave and a rejoin).
         lo, hi = 0.75 * self.fault_interval_s, 1.5 * self.fault_interval_s
         end = self.t0 + self.seconds - 5.0  # no new fault in the last seconds: every fault gets its recovery
+        if not [k for k in self.fault_kinds if k not in CONTINUOUS_FAULTS]:
+            return
         while not self.load_over.wait(rng.uniform(lo, hi)):
             if time.monotonic() >= end:
                 return
@@ -574,11 +856,12 @@ class Soak:
         k = 0
         while not self.stop.is_set():
             for nid in self.ids:  # the master and term each node follows (/state: open to any client)
-                r = _get(self.api(nid) + "/state", 2.0)
-                if r is not None and r.status_code == 200:
-                    h = r.json()
-                    if h.get("master") is not None:
-                        self.masters[int(h.get("term", 0))].add(h["master"])
+                try:
+                    h = self._state_in(nid)
+                except OSError:  # its namespace gone: the lab is closing
+                    h = None
+                if h is not None:
+                    self._note_state(h)
             if k % 3 == 0:
                 now = time.monotonic()
                 for nid, n in self.cluster.nodes.items():
@@ -597,6 +880,21 @@ class Soak:
                 self._check_orphans()
             k += 1
             self.stop.wait(1.0)
+
+    def _note_state(self, h: dict[str, Any]) -> None:
+        """One node's /state: the master it follows in its term, and any instance it says failed."""
+        if h.get("master") is not None:
+            self.masters[int(h.get("term", 0))].add(h["master"])
+        for i in h.get("instances", []):
+            if i.get("phase") == "failed":
+                self.failed_instances.setdefault(
+                    str(i.get("instance")), f"{h.get('node')}: {i.get('why', '')}"
+                )
+        for e in h.get("events", []):
+            if e.get("kind") == "failed":
+                self.failed_instances.setdefault(
+                    str(e.get("instance")), f"{h.get('node')}: {e.get('message', '')}"
+                )
 
     def rss_series(self) -> dict[str, list[float]]:
         """Each node daemon's RSS in MB, one sample a minute from the first: whether growth levels off."""
@@ -696,6 +994,8 @@ class Soak:
             threading.Thread(target=self.chaos, daemon=True),
             threading.Thread(target=self.disconnector, daemon=True),
         ]
+        if self.abusive:
+            threads.append(threading.Thread(target=self.abuser, daemon=True))
         sampler = threading.Thread(target=self.sampler, daemon=True)
         sampler.start()
         for t in threads:
@@ -740,7 +1040,9 @@ class Soak:
             "refused": c.refused,
             "unreachable": c.unreachable,
             "cut_by_node_kill": c.cut,
-            "stale_connection_after_flap": c.cut_by_flap,
+            "cut_by_partition": c.cut_by_partition,
+            "clients_during_partition": "with the majority" if "partition" in self.fault_kinds else None,
+            "stale_connection_after_flap": c.cut_by_flap,  # or after a partition
             "http_5xx": c.http_5xx,
             "leaked_slots": leaked,
             "rss_growth_ratio": ratios,
@@ -750,12 +1052,21 @@ class Soak:
             "orphan_processes": len(self.orphans),
             "masters_per_term_max": max((len(v) for v in self.masters.values()), default=None),
             "terms_seen": sorted(self.masters),
+            "masters_by_term": {str(t): sorted(m) for t, m in sorted(self.masters.items())},
+            "instance_failures": len(self.failed_instances),
+            "failed_instances": dict(self.failed_instances),
             "ttft_p50_s": _pct(c.ttft, 0.5),
             "ttft_p99_s": _pct(c.ttft, 0.99),
             "kills": c.kills,
             "stops": c.stops,
             "link_flaps": c.link_flaps,
+            "partitions": c.partitions,
             "disconnects": c.disconnects,
+            "abusive_client": (
+                self.abuse.report(self.limits, {v: len(b) for v, b in self.abusive.items()})
+                if self.abusive
+                else None
+            ),
             "faults": self.fault_log,
             "instances_final": [
                 {k: i.get(k) for k in ("instance", "phase", "generation", "recoveries")}
@@ -763,6 +1074,7 @@ class Soak:
             ],
             "lost_examples": c.lost_examples,
             "http_5xx_examples": c.http_5xx_examples,
+            "cut_by_partition_examples": c.cut_by_partition_examples,
             "machine": _cpu(),
         }
 
@@ -772,16 +1084,30 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _targets(r: dict[str, Any]) -> dict[str, bool | None]:
+    """Each target of TARGETS met (True), missed (False), or not measured in this run (None)."""
     rss = [v for v in (r["rss_growth_ratio"] or {}).values() if v is not None]
     rss += list((r.get("runner_rss_growth_ratio") or {}).values())
+    abuse = r.get("abusive_client")
     return {
         "requests_lost": r["requests_lost"] == 0,
         "http_5xx": r["http_5xx"] == 0,
         "leaked_slots": None if r["leaked_slots"] is None else r["leaked_slots"] == 0,
         "orphan_processes": r["orphan_processes"] == 0,
         "masters_per_term_max": r["masters_per_term_max"] == 1,
+        "instance_failures": r["instance_failures"] == 0,
+        "abusive_client": None if not abuse else abuse["failures"] == 0 and abuse["sent"] > 0,
+        "abusive_as_expected": None if not abuse else abuse["unexpected"] == 0 and abuse["sent"] > 0,
         "rss_growth_ratio": all(v <= 1.05 for v in rss) if rss else None,
     }
+
+
+def _abuse_line(a: dict[str, Any] | None) -> str:
+    if not a:
+        return "off"
+    return (
+        f"{a['sent']} sent: {a['served']} served, {a['refused_400']} refused (400), {a['failures']} failed, "
+        f"{a['unexpected']} not as expected, {a['skipped_ticks']} ticks skipped"
+    )
 
 
 def use_netns(netns: bool | None) -> bool:
@@ -794,14 +1120,21 @@ def use_netns(netns: bool | None) -> bool:
     return why is None
 
 
-def fault_kinds(faults: Sequence[str] | None, netns: bool) -> tuple[str, ...]:
-    """The fault kinds to draw from: `faults` (in that order) or every kind this mode can do."""
+def fault_kinds(faults: Sequence[str] | None, netns: bool, nodes: int | None = None) -> tuple[str, ...]:
+    """The fault kinds to draw from: `faults` (in that order) or every kind this mode (and this many nodes:
+    a partition needs 3, so that one side holds a majority) can do."""
     allowed = NETNS_FAULT_KINDS if netns else FAULT_KINDS
-    kinds = tuple(dict.fromkeys(faults)) if faults is not None else allowed
+    few = nodes is not None and nodes < PARTITION_MIN_NODES
+    if faults is None:
+        return tuple(k for k in allowed if not (few and k == "partition"))
+    kinds = tuple(dict.fromkeys(faults))
     bad = [k for k in kinds if k not in allowed]
     if bad or not kinds:
-        hint = " (link_flap needs --netns)" if "link_flap" in bad else ""
+        need = [k for k in NETNS_ONLY if k in bad]
+        hint = f" ({' and '.join(need)} {'needs' if len(need) == 1 else 'need'} --netns)" if need else ""
         raise ValueError(f"fault kinds {bad or '(none)'}: choose from {', '.join(allowed)}{hint}")
+    if few and "partition" in kinds:
+        raise ValueError(f"partition needs --nodes >= {PARTITION_MIN_NODES} (a majority on one side)")
     return kinds
 
 
@@ -860,7 +1193,7 @@ def run(
     if minutes <= 0 or nodes < 2:
         raise ValueError("--minutes must be > 0 and --nodes >= 2")
     in_lab = use_netns(netns)
-    kinds = fault_kinds(faults, in_lab)
+    kinds = fault_kinds(faults, in_lab, nodes)
     root = Path(tempfile.mkdtemp(prefix="shardline-bench-soak-"))
     tiny = model == "tiny"
     if tiny:
@@ -891,6 +1224,7 @@ def run(
             fault_kinds=kinds,
             lab=lab,
             client_host=lab.hosts[nodes] if lab is not None else None,
+            vocab=int(json.loads((model_dir / "config.json").read_text())["vocab_size"]),
         )
         soak.run_id = run_id
         if threading.current_thread() is threading.main_thread():
@@ -938,10 +1272,13 @@ def run(
         f"unreachable {result['unreachable']}  cut by node kill {result['cut_by_node_kill']}  "
         f"5xx {result['http_5xx']}\n"
         f"  faults: {result['kills']} kills, {result['stops']} stops, {result['link_flaps']} link flaps, "
+        f"{result['partitions']} partitions (cut by one: {result['cut_by_partition']}), "
         f"{result['disconnects']} disconnects; "
         f"ttft p50/p99 {result['ttft_p50_s']}/{result['ttft_p99_s']} s\n"
         f"  leaked_slots {result['leaked_slots']}  orphans {result['orphan_processes']}  masters/term max "
-        f"{result['masters_per_term_max']}  rss growth {result['rss_growth_ratio']}\n"
+        f"{result['masters_per_term_max']}  instance failures {result['instance_failures']}  "
+        f"rss growth {result['rss_growth_ratio']}\n"
+        f"  abusive client: {_abuse_line(result['abusive_client'])}\n"
         f"  targets met: {result['targets_met']}"
     )
     print(json.dumps(result, indent=1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from pathlib import Path
 
 import jsonschema
@@ -17,7 +18,7 @@ from shardline.api.formats import checked, constraint_of, logit_bias_of
 from shardline.compute.constraints import Constraint, Matchers, json_schema, problem
 from shardline.compute.sampling import SamplingParams, sample
 from shardline.dataplane.messages import BATCH_ID, Row, Step
-from shardline.runner.worker import finish
+from shardline.runner.worker import Held, finish
 
 END = (2,)  # the default model's <|im_end|>
 
@@ -144,8 +145,13 @@ def _batched(rows: list[tuple[str, SamplingParams, list[int]]], step: int) -> St
         pos=0,
         n=len(rows),
         sample=True,
-        rows=[Row(request_id=rid, pos=10 + step, sampling=sp, output=out) for rid, sp, out in rows],
+        rows=[Row(request_id=rid, pos=10 + step) for rid, _, _ in rows],
     )
+
+
+def _held(rows: list[tuple[str, SamplingParams, list[int]]]) -> dict[str, Held]:
+    """What the sampling stage holds for these rows: their settings and (the same lists of) their output."""
+    return {rid: Held(sp, False, deque(), out) for rid, sp, out in rows}
 
 
 @pytest.mark.timeout(240)
@@ -170,7 +176,7 @@ def test_masked_rows_of_a_batch_write_valid_json_and_the_free_row_is_unchanged(
             break
         rows = [(f"r{i}", settings[i], outputs[i]) for i in live] + [("free", free, [])]
         y = mx.random.normal((len(rows), vocab), key=mx.random.key(step)) * 4
-        result, _ = finish(_batched(rows, step), y, m)
+        result, _ = finish(_batched(rows, step), y, _held(rows), m)
         for i, r in zip(live, result.rows, strict=False):
             assert r.logprob is not None and math.isfinite(r.logprob)
             if r.token in END:

@@ -13,7 +13,7 @@ from typing import Any
 import jsonschema
 import mlx.core as mx
 import pytest
-from test_constraints import END, _batched, _vocab
+from test_constraints import END, _batched, _held, _vocab
 
 from shardline.api.errors import ApiError
 from shardline.api.formats import checked
@@ -176,9 +176,10 @@ def test_masked_sampling_writes_calls_that_parse_and_validate(model_dir, mode, n
         live = [i for i in range(rows) if not ended[i]]
         if not live:
             break
-        batch = _batched([(f"r{i}", settings[i], outputs[i]) for i in live], step)
+        alive = [(f"r{i}", settings[i], outputs[i]) for i in live]
+        batch = _batched(alive, step)
         y = mx.random.normal((len(live), vocab), key=mx.random.key(step)) * 3
-        result, _ = finish(batch, y, m)
+        result, _ = finish(batch, y, _held(alive), m)
         for i, r in zip(live, result.rows, strict=True):
             if r.token in END:
                 ended[i] = True

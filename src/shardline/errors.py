@@ -11,6 +11,10 @@ class ContextLengthError(ValueError):
     """The prompt does not fit the model's context."""
 
 
+class RequestTooLargeError(ValueError):
+    """The request cannot travel to the instance in one message: refused before it is sent."""
+
+
 class OverloadError(RuntimeError):
     """Too many requests wait already: try again later (HTTP maps this to 429 with Retry-After)."""
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import bad_request, error_responses, unsupported
 from shardline.api.formats import checked
+from shardline.api.limits import check_tools
 from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
@@ -190,6 +191,7 @@ def router(service: Service) -> APIRouter:
         stops = checked_stops(req.stop_sequences or [], "stop_sequences")
         if any(not s for s in stops):
             raise bad_request("a stop sequence must not be empty", "stop_sequences")
+        check_tools(req.tools)
         plan = plan_of(tools_of(req.tools), req.tool_choice)
         calling = plan is not None and plan.calling
         chat: list[dict[str, Any]] = []

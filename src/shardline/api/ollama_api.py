@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 import shardline
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
 from shardline.api.formats import checked
+from shardline.api.limits import check_tools
 from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
@@ -258,6 +259,7 @@ def router(service: Service) -> APIRouter:
         if any(m.images for m in req.messages):
             raise unsupported("images", "images")
         sampling, limit, stops = _sampling(req.options)
+        check_tools(req.tools)
         tools = openai_tools(req.tools)
         plan = ToolPlan(tools) if tools else None  # Ollama has no tool_choice: the model decides
         constraint = plan_constraint(plan, format_of(req.format))

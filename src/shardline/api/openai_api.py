@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
 from shardline.api.formats import check_bias_tokens, checked, constraint_of, logit_bias_of
+from shardline.api.limits import check_choices, check_tools
 from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, RunGroup, merged, sse, stream_response, whole_all
@@ -220,6 +221,7 @@ async def start_choices(
 ) -> list[ActiveRequest]:
     """Submit the request's n choices (all or none): each is a request of its own through the front."""
     n = req.n or 1
+    check_choices(n)
     if n > service.settings.max_pending:
         raise bad_request(f"n is {n}; this node runs at most {service.settings.max_pending} at once", "n")
     constraint = await asyncio.to_thread(checked, sampling.constraint, constraint_param)
@@ -291,6 +293,7 @@ def _check_chat(req: ChatRequest) -> None:
 
 def chat_plan(req: ChatRequest) -> ToolPlan | None:
     """The request's tools and tool_choice; None when it has none (or only tool_choice "none")."""
+    check_tools(req.tools)
     if req.parallel_tool_calls is not None and not req.tools:
         raise bad_request("parallel_tool_calls needs tools", "parallel_tool_calls")
     return openai_plan(openai_tools(req.tools), req.tool_choice, req.parallel_tool_calls)

@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from shardline.api.errors import bad_request
+from shardline.api.limits import MAX_STOP_CHARS, MAX_STOPS
 
-MAX_STOPS = 16
-MAX_STOP_CHARS = 256
+__all__ = ["MAX_STOPS", "MAX_STOP_CHARS", "StopAutomaton", "checked_stops"]
 
 
 def checked_stops(stops: Sequence[str], param: str) -> list[str]:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
+import annotated_types as at
 import mlx.core as mx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shardline.compute import fastmath, quantized
 from shardline.compute.constraints import Constraint
+
+# OpenAI's bounds for logit_bias: at most this many tokens, each biased by at most this much either way. A
+# request's settings travel once to the stage that samples; these keep them a few kilobytes.
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100.0
+BiasToken = Annotated[int, at.Ge(0)]
+Bias = Annotated[float, at.Ge(-MAX_BIAS), at.Le(MAX_BIAS)]
 
 
 class SamplingParams(BaseModel):
@@ -26,10 +35,17 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int = 0
     top_logprobs: int = Field(0, ge=0, le=20)
-    # OpenAI's logit_bias: (token, bias) pairs added to the logits before anything else.
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's logit_bias: (token, bias) pairs added to the logits before anything else; each token once.
+    logit_bias: tuple[tuple[BiasToken, Bias], ...] = Field((), max_length=MAX_LOGIT_BIAS)
     # A grammar the output must follow (compute/constraints.py): the sampler masks what it forbids.
     constraint: Constraint | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _once_each(cls, bias: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token more than once")
+        return bias
 
     @property
     def greedy(self) -> bool:

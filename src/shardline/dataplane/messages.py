@@ -46,16 +46,26 @@ class StepTime(Wire):
 # ---- ring: stage to stage, in order -------------------------------------------------------------------
 
 
+class Prime(Wire):
+    """A request's per-request settings, sent once: with its first step (the one that starts its KV cache).
+
+    The stage that samples holds them until the request is released, and keeps the tokens they read up to
+    date itself by appending each token it samples: later steps carry only ids, positions and lengths, so a
+    step's header never grows with a request's settings or its output. A resumed request's first step carries
+    what the sampler must continue from (its prompt's tail and the tokens generated already)."""
+
+    sampling: SamplingParams
+    context: list[int] = []  # the newest known tokens the repetition penalty reads (when it applies)
+    output: list[int] = []  # generated already (a resume), when penalties or a constraint read them
+    want_logits: bool = False
+
+
 class Row(Wire):
     """One request's position in a batched decode step."""
 
     request_id: str
     pos: int
     sample: bool = True
-    sampling: SamplingParams | None = None
-    context: list[int] = []
-    output: list[int] = []
-    want_logits: bool = False
 
 
 class Step(Wire):
@@ -71,10 +81,7 @@ class Step(Wire):
     pos: int
     n: int
     sample: bool = False
-    sampling: SamplingParams | None = None
-    context: list[int] = []
-    output: list[int] = []  # tokens generated so far, when presence or frequency penalties need them
-    want_logits: bool = False
+    prime: Prime | None = None  # on a request's first step only: its settings, held by the stage that samples
     reserve: int = 0  # on a request's first step: positions its KV cache may grow to
     # Prefix cache (runner/prefix.py; the leader decides, every stage obeys in ring order):
     attach: list[int] = []  # on a request's first step: its cache starts as these cached blocks, in order

@@ -234,8 +234,9 @@ class Inbox:
         self._name = name
         self._queue: queue.Queue[Envelope] = queue.Queue(maxsize=capacity)
         self._subs: list[Any] = []
-        self._watchers: dict[str, Callable[[Envelope], None]] = {}
+        self._watchers: dict[str, tuple[Callable[[Envelope], None], bool]] = {}
         self._lock = threading.Lock()
+        self._put_lock = threading.Lock()  # the producers' (zenoh's receive threads and inject)
         self.dropped = 0
         self.last_drop = ""
 
@@ -261,19 +262,14 @@ class Inbox:
             except Exception as exc:  # never obeyed, never fatal: a real loss is caught by a deadline
                 self.drop(f"bad frame on {sample.key_expr}: {str(exc)[:200]}")
                 return
-            env = Envelope(source, message, tensor, generation, received)
-            if (watcher := self._watchers.get(source)) is not None:
-                try:
-                    watcher(env)
-                except Exception:
-                    log.exception("watcher of %s failed", source)
-            self._put(env)
+            self._put(Envelope(source, message, tensor, generation, received))
 
         self._subs.append(self._session.declare_subscriber(key, on_sample))
 
-    def watch(self, source: str, callback: Callable[[Envelope], None]) -> None:
-        """Also hand messages from `source` to `callback` as they arrive (for a wait that cannot read)."""
-        self._watchers[source] = callback
+    def watch(self, source: str, callback: Callable[[Envelope], None], queued_only: bool = False) -> None:
+        """Also hand messages from `source` to `callback` as they arrive (for a wait that cannot read).
+        queued_only: only those the queue takes (what counts as received must be what a reader will see)."""
+        self._watchers[source] = (callback, queued_only)
 
     def queued(self, source: str) -> list[Any]:
         """The messages from `source` waiting to be read, in order (a snapshot: more may come)."""
@@ -285,12 +281,23 @@ class Inbox:
         self._put(Envelope(source, message, None))
 
     def _put(self, env: Envelope) -> None:
-        try:
+        """Queue a message, or drop it when full. Its watcher hears only a message that is queued (a Submit
+        dropped here must not count as received) when it asked for that, and before a reader can take it."""
+        with self._put_lock:
+            # Only producers, all under this lock, fill the queue: a slot seen free here stays free.
+            full = self._queue.full()
+            watcher, queued_only = self._watchers.get(env.source, (None, False))
+            if watcher is not None and not (full and queued_only):
+                try:
+                    watcher(env)
+                except Exception:
+                    log.exception("watcher of %s failed", env.source)
+            if full:
+                self.drop(
+                    f"{type(env.message).__name__} from {env.source}: {self._queue.maxsize} messages queued"
+                )
+                return
             self._queue.put_nowait(env)
-        except queue.Full:
-            self.drop(
-                f"{type(env.message).__name__} from {env.source}: {self._queue.maxsize} messages queued"
-            )
 
     def get(self, timeout: float | None) -> Envelope:
         """Wait for the next message; timeout None means an idle wait, which has no deadline."""

@@ -25,9 +25,10 @@ import zenoh
 
 from shardline.compute.kv import KV_STEP, reservation_bytes
 from shardline.compute.sampling import SamplingParams
+from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Keys, Outbox
-from shardline.errors import ContextLengthError, EngineError, OverloadError
+from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestTooLargeError
 from shardline.front.figures import LeaderFigures
 from shardline.front.request import RequestHandle, RequestState
 
@@ -52,6 +53,22 @@ class ModelLimits:
 def check_request_id(request_id: str) -> None:
     if not request_id or len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
         raise ValueError(f"request id must be 1..{MAX_REQUEST_ID} printable characters")
+
+
+def submit_bytes(prompt: int, max_tokens: int, stop_tokens: int, sampling: SamplingParams, vocab: int) -> int:
+    """At most how large a request's Submit header grows: its token lists at their longest (a resume resends
+    every token streamed so far) at the widest id's digits, its settings, and room for the rest."""
+    per_token = len(str(max(vocab - 1, 0))) + 1
+    return (prompt + max_tokens + stop_tokens) * per_token + len(sampling.model_dump_json()) + 1024
+
+
+def check_submit_size(size: int) -> None:
+    """A Submit the leader could not parse would read as one lost on the way, and fail the generation: a
+    request that cannot fit is refused here, before it is sent. Half the frame limit leaves room for its
+    first step, which carries its settings and at most the same tokens again (runner/leader.py)."""
+    limit = frame.MAX_HEADER_BYTES // 2
+    if size > limit:
+        raise RequestTooLargeError(f"the request needs {size} bytes as one message; at most {limit} travel")
 
 
 class Front:
@@ -130,6 +147,7 @@ class Front:
         if sampling.temperature > 0 and "seed" not in sampling.model_fields_set:
             # A fixed seed per request makes a resumed request continue exactly where it was.
             sampling = sampling.model_copy(update={"seed": int.from_bytes(os.urandom(7), "little")})
+        check_submit_size(submit_bytes(len(prompt), max_tokens, len(stop_tokens or []), sampling, vocab))
         state = RequestState(
             request_id=request_id or uuid.uuid4().hex,
             prompt=list(prompt),

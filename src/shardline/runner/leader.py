@@ -105,7 +105,7 @@ class Leader:
                 pos=pos,
                 n=n,
                 sample=True,
-                sampling=SamplingParams(),
+                prime=m.Prime(sampling=SamplingParams()) if pos == 0 else None,
                 reserve=total + 1 if pos == 0 else 0,
             )
             out, tensor = self.r.compute(step, mx.array([prompt[pos : pos + n]], dtype=mx.int32))
@@ -282,25 +282,21 @@ class Leader:
             self.finished(request_id, "cancelled", tokens)
 
     def _sent(self, step: schedule.FeedStep) -> m.Row:
-        """Mark one request's step as sent; what sampling it needs."""
+        """Mark one request's step as sent: its row (ids, position, whether it samples; nothing else)."""
         req = self.requests[step.request_id]
         self.tick += 1
         schedule.apply_step_sent(req, step, self.tick)
+        return m.Row(request_id=step.request_id, pos=step.pos, sample=step.sample)
+
+    def _prime(self, req: schedule.LeaderRequest) -> m.Prime:
+        """A request's settings for its first step, and what its sampler continues from: the stage that
+        samples holds them and appends each token it samples, as `known` grows here by the same tokens."""
         sp = req.spec.sampling
-        if not step.sample:
-            return m.Row(request_id=step.request_id, pos=step.pos, sample=False)
         context = req.known[-sp.repetition_context :] if sp.repetition_penalty != 1.0 else []
         # Generated tokens start where the original prompt ended (a fast resume folded some into `prompt`).
         # A constraint's state is a function of them: the sampling stage rebuilds its matcher from them.
         output = req.known[req.prompt_len - req.spec.index_base :] if sp.needs_output else []
-        return m.Row(
-            request_id=step.request_id,
-            pos=step.pos,
-            sampling=sp,
-            context=context,
-            output=output,
-            want_logits=req.spec.want_logits,
-        )
+        return m.Prime(sampling=sp, context=context, output=output, want_logits=req.spec.want_logits)
 
     def feed(self, step: schedule.FeedStep) -> None:
         req = self.requests[step.request_id]
@@ -319,7 +315,7 @@ class Leader:
         block = self.ledger.block
         if step.n == block and step.pos % block == 0 and step.pos + step.n <= req.prompt_len:
             seal = self.ledger.seal(step.request_id, step.pos // block)
-        row = self._sent(step)
+        self._sent(step)
         self.seq += 1
         msg = m.Step(
             seq=self.seq,
@@ -327,10 +323,7 @@ class Leader:
             pos=step.pos,
             n=step.n,
             sample=step.sample,
-            sampling=row.sampling,
-            context=row.context,
-            output=row.output,
-            want_logits=row.want_logits,
+            prime=self._prime(req) if first else None,
             reserve=len(req.known) + 1 if first else 0,
             attach=attach,
             seal=seal,

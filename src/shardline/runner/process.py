@@ -77,7 +77,7 @@ class RunnerProcess:
         self.received: dict[str, int] = {}  # front -> newest control seq that reached this generation
         if spec.is_leader:
             inbox.subscribe(self.keys.control, m.CONTROL, "control")
-            inbox.watch("control", self._on_control)
+            inbox.watch("control", self._on_control, queued_only=True)  # a dropped Submit is not received
         if spec.runner_id:
             inbox.subscribe(self.keys.runner(spec.runner_id), m.REJOIN, "agent")
             inbox.watch("agent", self._on_rejoin)

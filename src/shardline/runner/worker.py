@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,7 +14,7 @@ from shardline.compute.constraints import Constraint, Matchers
 from shardline.compute.sampling import SamplingParams, sample, sample_many
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.messages import Evict, Release, RowResult, Step, StepResult, StepTime
+from shardline.dataplane.messages import Evict, Prime, Release, RowResult, Step, StepResult, StepTime
 
 WARMUP_ID = "\x00warmup"  # the ring warm-up's request: no front sends control characters
 
@@ -21,45 +23,80 @@ class ProtocolError(RuntimeError):
     """A message that does not fit this stage's state: never obeyed."""
 
 
+@dataclass
+class Held:
+    """A request's sampling state on the stage that samples: its settings (sent once, with its first step),
+    the newest known tokens its repetition penalty reads and its output so far, both kept up to date here
+    by appending each token this stage samples. The leader appends the same tokens to what it knows, so
+    both stay what the leader would have sent every step."""
+
+    sampling: SamplingParams
+    want_logits: bool
+    context: deque[int]
+    output: list[int]
+
+    @classmethod
+    def of(cls, prime: Prime) -> Held:
+        sp = prime.sampling
+        # A window of 0 reads every known token (as the leader's known[-0:] did).
+        window = sp.repetition_context or None
+        context = deque(prime.context if sp.repetition_penalty != 1.0 else (), maxlen=window)
+        output = list(prime.output) if sp.needs_output else []
+        return cls(sp, prime.want_logits, context, output)
+
+    def took(self, token: int) -> None:
+        if self.sampling.repetition_penalty != 1.0:
+            self.context.append(token)
+        if self.sampling.needs_output:
+            self.output.append(token)
+
+
 Constrained = tuple[str, Constraint, list[int]]  # request, constraint, output so far
 
 
-def constrained_rows(step: Step) -> list[Constrained]:
-    """The step's requests that sample under a constraint: what their masks are computed from."""
+def constrained_rows(step: Step, held: Mapping[str, Held]) -> list[Constrained]:
+    """The step's requests that sample under a constraint: what their masks are computed from (a copy of
+    each output: masks are prepared on another thread while this one appends)."""
+    ids = [step.request_id] if not step.rows else [r.request_id for r in step.rows if r.sample]
     if not step.sample:
         return []
-    if not step.rows:
-        sp = step.sampling
-        return [(step.request_id, sp.constraint, step.output)] if sp and sp.constraint else []
     return [
-        (r.request_id, r.sampling.constraint, r.output)
-        for r in step.rows
-        if r.sample and r.sampling is not None and r.sampling.constraint is not None
+        (rid, h.sampling.constraint, list(h.output))
+        for rid in ids
+        if (h := held.get(rid)) is not None and h.sampling.constraint is not None
     ]
 
 
-def _masks(
-    matchers: Matchers | None, rows: list[tuple[str, SamplingParams, list[int]]], vocab: int
-) -> list[mx.array | None]:
+def _masks(matchers: Matchers | None, rows: list[tuple[str, Held]], vocab: int) -> list[mx.array | None]:
     """Each row's allowed tokens (None when unconstrained: such a row costs nothing here)."""
-    want = [(rid, sp.constraint, out) for rid, sp, out in rows if sp.constraint is not None]
+    want = [(rid, h.sampling.constraint, list(h.output)) for rid, h in rows if h.sampling.constraint]
     if not want:
         return [None] * len(rows)
     if matchers is None:
         raise ProtocolError("a constrained row reached a stage that cannot compute masks")
-    got = iter(matchers.masks(want, vocab))
-    return [mx.array(next(got)) if sp.constraint is not None else None for _, sp, _ in rows]
+    got = iter(matchers.masks(want, vocab))  # type: ignore[arg-type]
+    return [mx.array(next(got)) if h.sampling.constraint is not None else None for _, h in rows]
 
 
-def finish(step: Step, y: mx.array, matchers: Matchers | None = None) -> tuple[StepResult, mx.array | None]:
+def _held(held: Mapping[str, Held], request_id: str) -> Held:
+    h = held.get(request_id)
+    if h is None:
+        raise ProtocolError(f"request {request_id} samples, and its settings never reached this stage")
+    return h
+
+
+def finish(
+    step: Step, y: mx.array, held: Mapping[str, Held], matchers: Matchers | None = None
+) -> tuple[StepResult, mx.array | None]:
     """A sampling step's result from its logits: (vocab,) for one request, (rows, vocab) for a batch, each
-    row sampled with its own settings (and its constraint's mask) in one evaluation."""
+    row sampled with its own held settings (and its constraint's mask) in one evaluation. Pure: the caller
+    appends the sampled tokens to what it holds (Held.took)."""
     vocab = int(y.shape[-1])
     if not step.rows:
-        assert step.sampling is not None
-        (allowed,) = _masks(matchers, [(step.request_id, step.sampling, step.output)], vocab)
-        s = sample(y, step.sampling, step.pos + step.n, step.context, step.output, allowed)
-        logits = y if step.want_logits else None
+        h = _held(held, step.request_id)
+        (allowed,) = _masks(matchers, [(step.request_id, h)], vocab)
+        s = sample(y, h.sampling, step.pos + step.n, list(h.context), h.output, allowed)
+        logits = y if h.want_logits else None
         return (
             StepResult(
                 seq=step.seq,
@@ -72,20 +109,18 @@ def finish(step: Step, y: mx.array, matchers: Matchers | None = None) -> tuple[S
             logits,
         )
     wanted = [i for i, r in enumerate(step.rows) if r.sample]
-    rows = [step.rows[i] for i in wanted]
-    assert all(r.sampling is not None for r in rows)
-    masks = _masks(matchers, [(r.request_id, r.sampling, r.output) for r in rows], vocab)  # type: ignore[misc]
+    rows = [(step.rows[i].request_id, _held(held, step.rows[i].request_id)) for i in wanted]
+    masks = _masks(matchers, rows, vocab)
     args = []
-    for i, r, allowed in zip(wanted, rows, masks, strict=True):
-        assert r.sampling is not None
-        args.append((y[i], r.sampling, r.pos + 1, r.context, r.output, allowed))
+    for i, (_, h), allowed in zip(wanted, rows, masks, strict=True):
+        args.append((y[i], h.sampling, step.rows[i].pos + 1, list(h.context), h.output, allowed))
     sampled = dict(zip(wanted, sample_many(args), strict=True))  # one sync for every row
     results = []
     for i, r in enumerate(step.rows):
         s = sampled.get(i)
         fields = {} if s is None else s.model_dump(include={"token", "logprob", "top_logprobs"})
         results.append(RowResult(request_id=r.request_id, **fields))
-    logits = y if any(r.want_logits for r in step.rows) else None
+    logits = y if any(h.want_logits for _, h in rows) else None
     meta = tensor_meta(logits) if logits is not None else None
     return StepResult(seq=step.seq, request_id=step.request_id, rows=results, tensor=meta), logits
 
@@ -99,9 +134,12 @@ class StageWorker:
         # the same arrays the request that computed them holds (runner/prefix.py decides).
         self.store: dict[int, list[tuple[mx.array, mx.array]]] = {}
         # Constraint matchers, on the stage that samples (the last, or the first with a split head).
-        samples = shard.face and shard.range.is_last != bool(shard.head_split)
+        self.samples = shard.face and shard.range.is_last != bool(shard.head_split)
         tokenizer = model_dir / "tokenizer.json" if model_dir is not None else None
-        self.matchers = Matchers(tokenizer) if samples else None
+        self.matchers = Matchers(tokenizer) if self.samples else None
+        # On the stage that samples: each request's settings and output so far, from its first step to its
+        # release (every other stage ignores the settings a first step carries).
+        self.held: dict[str, Held] = {}
         self.vocab = int(shard.config.get("vocab_size") or 0)
         self.steps = 0
         self.kv_peak_bytes = 0
@@ -114,6 +152,7 @@ class StageWorker:
         if self.mirror is not None:
             self.mirror(Release(request_id=request_id))
         self.caches.pop(request_id, None)
+        self.held.pop(request_id, None)
         if self.matchers is not None:
             self.matchers.release(request_id)
         if request_id == WARMUP_ID:
@@ -129,6 +168,7 @@ class StageWorker:
         """A new generation: no requests, no cached blocks (its leader starts with an empty index)."""
         self.caches.clear()
         self.store.clear()
+        self.held.clear()
 
     def reset_peaks(self) -> None:
         self.kv_peak_bytes = 0
@@ -145,6 +185,14 @@ class StageWorker:
         if cache is None and (missing := [b for b in step.attach if b not in self.store]):
             raise ProtocolError(
                 f"request {step.request_id} starts from blocks {missing}, which this stage lacks"
+            )
+        if step.prime is not None and cache is not None:
+            raise ProtocolError(f"request {step.request_id}: settings again at position {step.pos}")
+        if self.samples and step.sample and cache is None and step.prime is None:
+            raise ProtocolError(f"request {step.request_id} samples, and its first step has no settings")
+        if self.samples and step.sample and cache is not None and step.request_id not in self.held:
+            raise ProtocolError(
+                f"request {step.request_id} samples, and its settings never reached this stage"
             )
         if step.seal is not None and (step.pos % self.block or step.n != self.block):
             raise ProtocolError(
@@ -168,6 +216,10 @@ class StageWorker:
             if cache is None or cache[0].offset != r.pos:
                 held = "no cache" if cache is None else f"cache holds {cache[0].offset}"
                 raise ProtocolError(f"request {r.request_id}: batched row at position {r.pos}, {held}")
+            if self.samples and r.sample and r.request_id not in self.held:
+                raise ProtocolError(
+                    f"request {r.request_id} samples, and its settings never reached this stage"
+                )
         if x.ndim < 2 or x.shape[0] != len(step.rows) or x.shape[1] != 1:
             raise ProtocolError(f"batched step of {len(step.rows)} rows, tensor has shape {list(x.shape)}")
         if not self.shard.range.is_first and x.shape[-1] != self.shard.hidden_size:
@@ -180,6 +232,8 @@ class StageWorker:
         self.check(step, x)
         if self.mirror is not None:
             self.mirror(step, x)
+        if step.prime is not None and self.samples:
+            self.held[step.request_id] = Held.of(step.prime)
         self._prepare(step)
         cache = self.caches.get(step.request_id)
         if cache is None:
@@ -205,7 +259,7 @@ class StageWorker:
     def _prepare(self, step: Step) -> None:
         """Start the step's masks now: they are computed while this stage runs its layers (and, with a
         split head, while the other stages run theirs)."""
-        if self.matchers is not None and (rows := constrained_rows(step)):
+        if self.matchers is not None and (rows := constrained_rows(step, self.held)):
             self.matchers.prepare(rows, self.vocab)
 
     def _done(self, step: Step, y: mx.array) -> tuple[Step | StepResult, mx.array | None]:
@@ -219,12 +273,20 @@ class StageWorker:
             return StepResult(seq=step.seq, request_id=step.request_id), None
         if self.shard.head_split:  # the leader completes the logits and samples
             return StepResult(seq=step.seq, request_id=step.request_id, head=True, tensor=tensor_meta(y)), y
-        return finish(step, y, self.matchers)
+        return self._sampled(*finish(step, y, self.held, self.matchers))
+
+    def _sampled(self, res: StepResult, logits: mx.array | None) -> tuple[StepResult, mx.array | None]:
+        """Append what was sampled to each row's held output: the leader appends the same tokens."""
+        for r in res.rows or [RowResult(request_id=res.request_id, token=res.token)]:
+            if r.token is not None and (h := self.held.get(r.request_id)) is not None:
+                h.took(r.token)
+        return res, logits
 
     def finish_head(self, step: Step, packed: mx.array) -> tuple[StepResult, mx.array | None]:
         """On the first stage, for a result with `head`: the full logits from the last stage's part, then
         the step's samples."""
-        return finish(step, self.shard.finish_head(packed), self.matchers)  # one evaluation: the sampler's
+        # One evaluation: the sampler's.
+        return self._sampled(*finish(step, self.shard.finish_head(packed), self.held, self.matchers))
 
     def kv_bytes(self) -> int:
         """The bytes of every KV block held, each once however many requests share it."""

@@ -34,6 +34,7 @@ from shardline.cluster.weights.manifest import (
     SourceInfo,
     StageSpan,
     TensorEntry,
+    import_record,
     local_models,
     model_manifest,
     read_shard_manifest,
@@ -42,7 +43,7 @@ from shardline.cluster.weights.manifest import (
 )
 from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply
 from shardline.cluster.weights.server import Tamper, WeightServer
-from shardline.cluster.weights.stage import StageWeights
+from shardline.cluster.weights.stage import StageWeights, versions_dir
 from shardline.cluster.weights.verify import verify_shard
 from shardline.compute.shard import LayerRange, load_shard, split_layers
 from shardline.dataplane.transport import open_session
@@ -517,6 +518,37 @@ def test_a_node_never_loads_an_unchecked_copy_of_a_stage(
     )
     with pytest.raises(WeightsError, match="no expected digest"):
         weights_of.get("llama", 0, 3, "", sources, beat, notify)
+
+
+@pytest.mark.timeout(120)
+def test_a_legitimate_copy_of_another_version_is_kept_and_the_expected_stage_fetched_beside_it(
+    tiny_models: dict[str, Path], serve, client: zenoh.Session, tmp_path: Path
+) -> None:
+    holders = tmp_path / "holders"
+    shutil.copytree(tiny_models["llama"], holders / "llama")
+    expected = record_import(holders / "llama").digest()
+    mine = tmp_path / "mine"
+    shutil.copytree(holders / "llama", mine / "llama")
+    entry = record_import(holders / "llama").tensors["model.layers.1.mlp.gate_proj.weight"]
+    with (mine / "llama" / "model.safetensors").open("r+b") as f:  # another version, then imported as such
+        f.seek(entry.offset + 5)
+        f.write(b"\x00\x01\x02\x03")
+    own = record_import(mine / "llama").digest()
+    assert own != expected
+    serve(holders, node="honest")
+    notices: list[tuple[str, str]] = []
+    weights_of = StageWeights(client, NS, "me", mine)
+    notify = lambda node, message: notices.append((node, message))  # noqa: E731
+    beat = lambda done, total, source: None  # noqa: E731
+    dest = weights_of.get("llama", 0, 3, expected, ["honest"], beat, notify)
+    # The master's word moved nothing: the node's copy is where it was, as it was, and still serves as itself.
+    assert dest.parent.name == versions_dir(expected) and dest.name == "llama"
+    assert not list(mine.glob(".llama.rejected-*")) and import_record(mine / "llama").digest() == own
+    assert [n for n, _ in notices] == ["me"] and "kept as it is" in notices[0][1]
+    _assert_same_outputs(dest, tiny_models["llama"], LayerRange(0, 3, 6))
+    assert weights_of.get("llama", 0, 3, own, [], beat, notify) == mine / "llama"
+    assert weights_of.get("llama", 0, 3, expected, [], beat, notify) == dest  # checked, not fetched again
+    assert local_models(mine)["llama"].digest == own  # the stage beside is never listed, never served
 
 
 @pytest.mark.slow

@@ -326,10 +326,8 @@ def _place(
         error = f"model {q.model!r} is on no live node"
         return state, cm.MasterReply(ok=False, error=error, term=state.term), []
     digest = cs.expected_digest(snap, q.model)
-    if digest is None:  # no copy could be checked: nothing is placed on trust
-        error = (
-            f"model {q.model!r} has no recorded digests on any live node yet (being hashed): try again soon"
-        )
+    if digest is None:  # no copy could be checked, or holders disagree: nothing is placed on trust
+        error = cs.digest_refusal(snap, q.model)
         return state, cm.MasterReply(ok=False, error=error, term=state.term), []
     nodes = [c for c in cs.capacities(snap) if _worker(snap, c.node_id)]
     try:

@@ -318,16 +318,42 @@ def footprint(state: ClusterState, model: str) -> ModelFootprint | None:
     return None
 
 
-def expected_digest(state: ClusterState, model: str) -> str | None:
-    """The digest every copy of `model` must have: the one recorded by its first importer among the live
-    nodes holding it whole (the earliest record; the lowest node id between equal times). None while no such
-    node has recorded one. From reports only: a new master finds the same."""
-    holders = [
-        (m.imported_at, n, m.digest)
-        for n, r in state.reports.items()
+def _whole_copies(state: ClusterState, model: str) -> dict[str, str]:
+    """node -> the model digest of its whole copy of `model`, for live nodes that recorded one."""
+    return {
+        n: m.digest
+        for n, r in sorted(state.reports.items())
         if n in state.alive | {state.me} and (m := r.models.get(model)) and m.full and m.digest
-    ]
-    return min(holders)[2] if holders else None
+    }
+
+
+def expected_digest(state: ClusterState, model: str) -> str | None:
+    """The digest every copy of `model` must have: the one of this node's (the master's) own whole copy;
+    without one, the one every live holder's record agrees on; None while no holder recorded one, or when
+    they disagree (nothing is placed on trust: an operator removes the version not wanted).
+
+    A self-reported import time never decides: any key holder could claim the earliest. Reports are
+    authenticated where they are received (a key's HMAC, or a node certificate whose name is the report's
+    node id: trust/reports.py), so a holder speaks for its own copy only; a peer that lies about its copy
+    can at worst block a placement that needs a peer's word, never choose the weights every node loads. An
+    instance keeps the digest it was placed with (its record) whatever holders join later."""
+    copies = _whole_copies(state, model)
+    if state.me in copies:
+        return copies[state.me]
+    versions = set(copies.values())
+    return versions.pop() if len(versions) == 1 else None
+
+
+def digest_refusal(state: ClusterState, model: str) -> str:
+    """Why expected_digest is None, in a sentence for the client."""
+    copies = _whole_copies(state, model)
+    if not copies:
+        return f"model {model!r} has no recorded digests on any live node yet (being hashed): try again soon"
+    held = ", ".join(f"{n}: {d[:12]}" for n, d in copies.items())
+    return (
+        f"the live holders of model {model!r} hold different versions ({held}) and this master holds none: "
+        "not placed on any one node's word (remove the version not wanted from its holders)"
+    )
 
 
 def sources(state: ClusterState, model: str, digest: str | None = None) -> list[str]:

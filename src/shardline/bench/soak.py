@@ -200,7 +200,7 @@ class Abuse:
                 if len(self.unexpected_examples) < 20:
                     self.unexpected_examples.append(f"{variant}: {outcome}, expected {expected} {why}"[:300])
 
-    def report(self, limits: ApiLimits | None, bytes_of: dict[str, int]) -> dict[str, Any]:
+    def report(self, limits: ApiLimits | None, bytes_of: dict[str, int], seconds: float) -> dict[str, Any]:
         with self.lock:
             variants = {v: dict(sorted(c.items())) for v, c in sorted(self.by_variant.items())}
         total: dict[str, int] = defaultdict(int)
@@ -218,7 +218,9 @@ class Abuse:
             "cut_by_partition": total["cut_by_partition"],
             "unreachable": self.unreachable,
             "stale_connection_after_cut": self.stale_after_cut,
-            "skipped_ticks": self.skipped_ticks,
+            "skipped_ticks": self.skipped_ticks,  # a second with ABUSIVE_IN_FLIGHT still out: none sent
+            "rate_per_s": round(sum(total[k] for k in ends) / seconds, 3) if seconds > 0 else None,
+            "in_flight_max": ABUSIVE_IN_FLIGHT,
             "expected": dict(ABUSIVE_EXPECTED),
             "by_variant": variants,
             "limits": limits.as_dict() if limits is not None else None,
@@ -510,9 +512,14 @@ class Soak:
                 elif not isinstance(exc, openai.APITimeoutError) and self._partitioned_during(nid, sent):
                     self.c.partition_cut(f"{nid} {type(exc).__name__}: {cause!r}")
                 elif isinstance(exc, openai.APITimeoutError):
-                    self.c.lose(f"{nid} timeout after {time.monotonic() - sent:.1f}s", timed_out=1)
+                    self.c.lose(
+                        f"{nid} sent at {sent - self.t0:.1f}s: timeout after {time.monotonic() - sent:.1f}s",
+                        timed_out=1,
+                    )
                 else:
-                    self.c.lose(f"{nid} {type(exc).__name__}: {exc!r} {cause!r}")
+                    self.c.lose(
+                        f"{nid} sent at {sent - self.t0:.1f}s: {type(exc).__name__}: {exc!r} {cause!r}"
+                    )
                 return
             except openai.APIStatusError as exc:
                 code = exc.status_code
@@ -523,7 +530,7 @@ class Soak:
                 if code >= 500:
                     self.c.server_error(f"{nid} HTTP {code}: {str(exc)[:200]}")
                 if code not in (429, 503):
-                    self.c.lose(f"{nid} HTTP {code}: {str(exc)[:200]}")
+                    self.c.lose(f"{nid} sent at {sent - self.t0:.1f}s: HTTP {code}: {str(exc)[:200]}")
                 else:
                     self.stop.wait(0.5)
                 return
@@ -533,14 +540,16 @@ class Soak:
                 elif self._partitioned_during(nid, sent):
                     self.c.partition_cut(f"{nid} {type(exc).__name__}: {str(exc)[:200]}")
                 else:
-                    self.c.lose(f"{nid} {type(exc).__name__}: {str(exc)[:200]}")
+                    self.c.lose(
+                        f"{nid} sent at {sent - self.t0:.1f}s: {type(exc).__name__}: {str(exc)[:200]}"
+                    )
                 return
             if text == self.expected[i]:
                 self.c.add(ok=1)
             else:
                 self.c.lose(
-                    f"{nid} wrong ({'stream' if stream else 'whole'}) q{i}: {text[:80]!r} != "
-                    f"{self.expected[i][:80]!r}",
+                    f"{nid} sent at {sent - self.t0:.1f}s: wrong ({'stream' if stream else 'whole'}) q{i}: "
+                    f"{text[:80]!r} != {self.expected[i][:80]!r}",
                     wrong=1,
                 )
             return
@@ -584,14 +593,13 @@ class Soak:
                 elif not isinstance(exc, httpx.TimeoutException) and self._partitioned_during(nid, sent):
                     self.abuse.record(variant, "cut_by_partition", None)
                 else:
-                    took = time.monotonic() - sent
-                    self.abuse.record(
-                        variant, "failure", None, f"{nid} {type(exc).__name__} after {took:.1f}s"
-                    )
+                    took, at = time.monotonic() - sent, sent - self.t0
+                    why = f"{nid} sent at {at:.1f}s: {type(exc).__name__} after {took:.1f}s"
+                    self.abuse.record(variant, "failure", None, why)
                 return
             code = r.status_code
             outcome = abusive_outcome(code)
-            why = f"{nid} HTTP {code}: {r.text[:200]}"
+            why = f"{nid} sent at {sent - self.t0:.1f}s: HTTP {code}: {r.text[:200]}"
             if outcome == "failure" and self._partitioned_during(nid, sent):
                 outcome = "cut_by_partition"
             elif code >= 500:
@@ -882,19 +890,18 @@ class Soak:
             self.stop.wait(1.0)
 
     def _note_state(self, h: dict[str, Any]) -> None:
-        """One node's /state: the master it follows in its term, and any instance it says failed."""
+        """One node's /state: the master it follows in its term, and any instance it says failed (with who
+        said so, in which term, and when in the run it was first heard)."""
         if h.get("master") is not None:
             self.masters[int(h.get("term", 0))].add(h["master"])
+        at = time.monotonic() - self.t0
+        said = f"{h.get('node')} (term {h.get('term')}, master {h.get('master')}) at {at:.0f}s"
         for i in h.get("instances", []):
             if i.get("phase") == "failed":
-                self.failed_instances.setdefault(
-                    str(i.get("instance")), f"{h.get('node')}: {i.get('why', '')}"
-                )
+                self.failed_instances.setdefault(str(i.get("instance")), f"{said}: {i.get('why', '')}")
         for e in h.get("events", []):
             if e.get("kind") == "failed":
-                self.failed_instances.setdefault(
-                    str(e.get("instance")), f"{h.get('node')}: {e.get('message', '')}"
-                )
+                self.failed_instances.setdefault(str(e.get("instance")), f"{said}: {e.get('message', '')}")
 
     def rss_series(self) -> dict[str, list[float]]:
         """Each node daemon's RSS in MB, one sample a minute from the first: whether growth levels off."""
@@ -1063,7 +1070,7 @@ class Soak:
             "partitions": c.partitions,
             "disconnects": c.disconnects,
             "abusive_client": (
-                self.abuse.report(self.limits, {v: len(b) for v, b in self.abusive.items()})
+                self.abuse.report(self.limits, {v: len(b) for v, b in self.abusive.items()}, self.seconds)
                 if self.abusive
                 else None
             ),
@@ -1165,6 +1172,17 @@ def _sweep_runners(soak: Soak) -> None:
             p.kill()
 
 
+def _keep_logs(cluster: LocalCluster, json_path: Path) -> Path:
+    """Every node's log, copied beside the JSON (`<name>.logs/<node>.log`): a missed target is explained
+    there, and the run's own folder is removed."""
+    out = json_path.parent / f"{json_path.stem}.logs"
+    out.mkdir(parents=True, exist_ok=True)
+    for nid, n in cluster.nodes.items():
+        if n.log is not None and n.log.is_file():
+            shutil.copy(n.log, out / f"{nid}.log")
+    return out
+
+
 def _running(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -1249,6 +1267,8 @@ def run(
             soak.load_over.set()
             cluster.close()
             _sweep_runners(soak)
+            if result is not None and json_path is not None and False in _targets(result).values():
+                result["logs"] = str(_keep_logs(cluster, json_path))
     finally:
         try:
             if lab is not None:

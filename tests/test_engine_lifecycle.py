@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 
 import pytest
-from conftest import assert_no_runner_left, random_prompt
+from conftest import FAST, assert_no_runner_left, random_prompt
 
-from shardline.engine.engine import ContextLengthError, Engine, EngineConfig, EngineError
+from shardline.engine.engine import (
+    LOGS_KEPT,
+    ContextLengthError,
+    Engine,
+    EngineConfig,
+    EngineError,
+    logs_to_drop,
+)
+from shardline.runner.spec import Fault
 from shardline.testing.reference import Reference
 
 
@@ -103,3 +112,38 @@ def test_bad_messages_from_peers_change_nothing(tiny_models, start_engine):
         assert engine.failure is None and not engine.recoveries
     finally:
         peer.close()
+
+
+@pytest.mark.timeout(180)
+def test_only_a_failed_run_keeps_its_stage_logs_in_the_state_dir(tiny_models, tmp_path, monkeypatch) -> None:
+    """Every Engine (each `shardline generate`) used to leave a shardline-* folder in the temp dir."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.delenv("SHARDLINE_LOG_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    root = tmp_path / "state" / "shardline" / "logs"
+
+    def run(**kw: object) -> Engine:
+        engine = Engine(EngineConfig(model_dir=tiny_models["llama"], stages=2, prefill_step=8, **FAST, **kw))
+        try:
+            engine.start()
+            assert engine.log_dir.parent == root and engine.stage_log(0).exists()
+            assert engine.submit(random_prompt(12, seed=7), max_tokens=3).tokens(timeout=60)
+        finally:
+            engine.shutdown()
+        return engine
+
+    clean = run()
+    assert not clean.log_dir.exists()  # nothing failed: nothing to look into
+    failed = run(faults={1: Fault(phase="load", action="raise")})  # recovered: its logs say what happened
+    assert failed.recoveries and failed.stage_log(1).exists()
+    assert [p for p in temp.iterdir() if p.name.startswith("shardline-")] == []
+
+
+@pytest.mark.timeout(10)
+def test_the_oldest_log_folders_go_beyond_the_bound() -> None:
+    folders = [("engine-c", 3.0), ("engine-a", 1.0), ("engine-b", 2.0), ("engine-d", 4.0)]
+    assert logs_to_drop(folders, 2) == ["engine-b", "engine-a"]
+    assert logs_to_drop(folders, 9) == [] and len(logs_to_drop(folders, 0)) == 4
+    assert LOGS_KEPT >= 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 import psutil
+from platformdirs import user_state_dir
 from pydantic import Field
 
 from shardline.cluster.keys import ClusterKeys
@@ -70,6 +72,40 @@ class EngineConfig(InstanceSettings):
         return ControllerConfig.of(self, self.runners)
 
 
+LOGS_KEPT = 20  # engines' stage log folders kept in the state directory (runs that ended with a failure)
+LOG_PREFIX = "engine-"
+
+
+def logs_root() -> Path:
+    """Where engines keep their stage logs: the user's state directory (on Linux XDG_STATE_HOME, by
+    default ~/.local/state, then shardline/logs), never the temp dir, which nothing bounds or cleans."""
+    return Path(user_state_dir("shardline")) / "logs"
+
+
+def logs_to_drop(folders: list[tuple[str, float]], keep: int) -> list[str]:
+    """Of (name, modified time) of earlier engines' log folders, those to remove so that `keep` remain: the
+    oldest first."""
+    newest_first = sorted(folders, key=lambda f: (f[1], f[0]), reverse=True)
+    return [name for name, _ in newest_first[max(0, keep) :]]
+
+
+def _new_log_dir(instance: str) -> Path:
+    """A fresh folder for this engine's stage logs, after dropping the oldest so that at most LOGS_KEPT
+    remain with it."""
+    root = logs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    found = []
+    for p in root.iterdir():
+        if p.name.startswith(LOG_PREFIX) and p.is_dir():
+            try:
+                found.append((p.name, p.stat().st_mtime))
+            except OSError:
+                pass  # another engine removed it meanwhile
+    for name in logs_to_drop(found, LOGS_KEPT - 1):
+        shutil.rmtree(root / name, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{LOG_PREFIX}{instance}-", dir=root))
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -117,9 +153,12 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._started = False
+        self._start_failure: str | None = None
         env_dir = os.environ.get("SHARDLINE_LOG_DIR")
         log_dir = config.log_dir or (Path(env_dir) if env_dir else None)
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"shardline-{self.instance}-"))
+        # A folder of its own is removed after a clean run; one the caller named is the caller's.
+        self._own_logs = log_dir is None
+        self.log_dir = Path(log_dir) if log_dir is not None else _new_log_dir(self.instance)
         self.endpoint = f"tcp/{config.host}:{_free_port(config.host)}"
         self.session = open_session([self.endpoint], [])
         self.kv_budget_bytes = config.kv_budget_bytes or int(psutil.virtual_memory().available * 0.5)
@@ -212,6 +251,7 @@ class Engine:
             self.front.serving.wait(self.front.match_timeout + 5)
         if phase != "serving" or not self.front.serving.is_set() or self.front.failure:
             why = self.controller.state.failure or self.front.failure or f"instance not serving ({phase})"
+            self._start_failure = why  # its logs are kept: they say why
             self.shutdown()
             raise EngineError(why)
         return self
@@ -230,6 +270,8 @@ class Engine:
             self.session.close()
         except Exception:
             pass
+        if self._own_logs and self.clean:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> Engine:
         return self
@@ -242,6 +284,12 @@ class Engine:
     @property
     def recoveries(self) -> list[Failure]:
         return list(self.controller.state.failures) if self.controller else []
+
+    @property
+    def clean(self) -> bool:
+        """Nothing failed: no stage had to be recovered, and the instance did not fail (its logs hold
+        nothing to look into)."""
+        return not self.recoveries and self.failure is None and self._start_failure is None
 
     @property
     def failure(self) -> str | None:

@@ -42,6 +42,8 @@ from shardline.dataplane.transport import Link, open_session
 from shardline.models.registry import cache_dir
 from shardline.node.agent import NodeAgent
 from shardline.trust.credentials import Credentials
+from shardline.trust.refusals import refuse
+from shardline.trust.seal import Checker, Sealer, certificate_name
 
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
@@ -106,6 +108,9 @@ class Node:
         self.keys = ClusterKeys(config.namespace)
         data_dir = config.resolved_data_dir()
         self.node_id, self.name = node_identity(data_dir, config.name)
+        if config.credentials.tls_dir is not None:  # a TLS node is its certificate's name (seals check it)
+            self.node_id = certificate_name(config.credentials.tls_dir)
+        self._sealer, self._checker = Sealer.of(config.credentials), Checker(config.credentials)
         self.models_root = config.resolved_models_dir()
         self.log_dir = data_dir / "logs"
         self.endpoint = config.credentials.endpoint(concrete_endpoint(config.listen))
@@ -214,7 +219,7 @@ class Node:
             return
         self._leaving = True
         try:  # say so first: views show the node leaving while it hands over
-            self._report_pub.put(encode(self.report()))
+            self._put(self._report_pub, encode(self.report()))
         except Exception:
             pass
         self._closed.set()
@@ -249,22 +254,46 @@ class Node:
         gone = sample.kind == zenoh.SampleKind.DELETE
         self._enqueue(cs.Gone(node) if gone else cs.Alive(node))
 
+    def _put(self, publisher: zenoh.Publisher, data: bytes, crl: bytes = b"") -> None:
+        """Put `data` sealed as this node's (trust/seal.py): peers check who said it before folding it in."""
+        publisher.put(data, attachment=self._sealer.seal(data, crl))
+
+    def _unsealed(self, what: str, speaker: str, data: bytes, sample: zenoh.Sample) -> bool:
+        """Whether `data` must be dropped: its seal does not show it is `speaker`'s (counted, never fatal)."""
+        attachment = sample.attachment.to_bytes() if sample.attachment is not None else None
+        if (why := self._checker.check(speaker, data, attachment)) is None:
+            return False
+        refuse(what, "seal", f"from {speaker!r}: {why}")
+        return True
+
     def _on_report(self, sample: zenoh.Sample) -> None:
+        data = bytes(sample.payload.to_bytes())
         try:
-            msg, _ = decode(bytes(sample.payload.to_bytes()), cm.REPORTS)
+            msg, _ = decode(data, cm.REPORTS)
         except Exception as exc:  # never obeyed, never fatal
             log.warning("dropped a bad report on %s: %s", sample.key_expr, str(exc)[:200])
             return
+        speaker = msg.node_id if isinstance(msg, cm.NodeReport) else msg.master
+        if self._unsealed(msg.kind, speaker, data, sample):
+            return
+        if isinstance(msg, cm.NodeReport) and node_from_key(str(sample.key_expr)) != msg.node_id:
+            refuse("node_report", "key", f"{msg.node_id!r} reported on {sample.key_expr}")
+            return
+        if isinstance(msg, cm.ClusterView) and sample.attachment is not None:
+            self._checker.adopt_crl(sample.attachment.to_bytes())  # the master carries the CA's newest list
         if isinstance(msg, cm.NodeReport):
             self._enqueue(cs.ReportIn(msg, time.monotonic()))
         else:
             self._enqueue(cs.ViewIn(msg))
 
     def _on_ballot(self, sample: zenoh.Sample) -> None:
+        data = bytes(sample.payload.to_bytes())
         try:
-            msg, _ = decode(bytes(sample.payload.to_bytes()), cm.BALLOTS)
+            msg, _ = decode(data, cm.BALLOTS)
         except Exception as exc:
             log.warning("dropped a bad ballot: %s", str(exc)[:200])
+            return
+        if self._unsealed(msg.kind, msg.candidate if isinstance(msg, cm.Claim) else msg.voter, data, sample):
             return
         self._enqueue(cs.ClaimIn(msg) if isinstance(msg, cm.Claim) else cs.VoteIn(msg))
 
@@ -326,7 +355,7 @@ class Node:
             view = self.state.view
             self.changed.notify_all()
         for b in ballots:
-            self._ballot_pub.put(encode(b))
+            self._put(self._ballot_pub, encode(b))
         for e in happened:
             log.info("%s %s", e.kind, e.node)
         if deposed and self.master is not None:
@@ -406,7 +435,7 @@ class Node:
             self.agent.stop_instance(instance, keep)
 
     def publish_view(self, view: cm.ClusterView) -> None:
-        self._view_pub.put(encode(view))
+        self._put(self._view_pub, encode(view), self._checker.crl_der())
         self._enqueue(cs.ViewIn(view))
 
     # ---- reports -------------------------------------------------------------------------------------------
@@ -518,7 +547,7 @@ class Node:
         while not self._closed.wait(self.config.report_s):  # the report period, not a synchronisation
             try:
                 r = self.report()
-                self._report_pub.put(encode(r))
+                self._put(self._report_pub, encode(r))
                 self._enqueue(cs.ReportIn(r, time.monotonic()))
             except Exception:
                 log.exception("report failed")

@@ -1,0 +1,168 @@
+"""Who said a cluster message (trust/seal.py): a report, view or ballot is folded in only when its seal shows
+it is the speaker's: on TLS clusters a node certificate named as the node it speaks for, not a client's, not
+revoked; on keyed clusters the key. The node's real handlers, and two TLS daemons that still meet."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardline.cluster import messages as cm
+from shardline.cluster import state as cs
+from shardline.cluster.node import Node
+from shardline.dataplane.frame import encode
+from shardline.testing.cluster import LocalCluster
+from shardline.trust import ca, refusals
+from shardline.trust.credentials import Credentials
+from shardline.trust.seal import Checker, Sealer, certificate_name
+
+pytestmark = pytest.mark.timeout(60)
+RES = cm.Resources(memory_total=1, memory_available=1, compute_score=1.0, device="cpu", cpus=1)
+
+
+def report(node: str, digest: str = "1" * 64, at: float = 1e9) -> cm.NodeReport:
+    model = cm.LocalModel(full=True, end=4, digest=digest, imported_at=at)
+    return cm.NodeReport(
+        node_id=node,
+        name=node,
+        endpoint="tls/127.0.0.1:1",
+        started_at=0.0,
+        resources=RES,
+        models={"m": model},
+    )
+
+
+@pytest.fixture
+def cluster_ca(tmp_path: Path) -> Path:
+    ca.init(tmp_path, ["n1", "n2", "n3"])
+    return tmp_path
+
+
+def tls(root: Path, name: str) -> Credentials:
+    return Credentials(None, root / "nodes" / name)
+
+
+def test_a_node_certificate_speaks_only_as_its_own_name(cluster_ca: Path) -> None:
+    data = encode(report("n1"))
+    checker = Checker(tls(cluster_ca, "n2"))
+    seal = Sealer.of(tls(cluster_ca, "n1")).seal(data)
+    assert certificate_name(cluster_ca / "nodes" / "n1") == "n1"
+    assert checker.check("n1", data, seal) is None
+    assert "speaking as 'n3'" in (
+        checker.check("n3", data, seal) or ""
+    )  # node ids are no longer self-declared
+    assert "signature" in (checker.check("n1", data + b" ", seal) or "")
+    assert checker.check("n1", data, None) == "no seal"
+    assert "a seal of" in (checker.check("n1", data, b"x" * 9000) or "")
+
+
+def test_a_client_or_foreign_or_revoked_certificate_cannot_act_as_a_node(
+    cluster_ca: Path, tmp_path: Path
+) -> None:
+    data = encode(report("client"))
+    checker = Checker(tls(cluster_ca, "n2"))
+    assert "client" in (checker.check("client", data, Sealer.of(tls(cluster_ca, "client")).seal(data)) or "")
+    ca.init(tmp_path / "other", ["n1"])
+    foreign = Sealer.of(Credentials(None, tmp_path / "other" / "nodes" / "n1")).seal(encode(report("n1")))
+    assert "did not issue" in (checker.check("n1", encode(report("n1")), foreign) or "")
+    # Revoked: n2's folder predates the list; the master's view carries it, and n2 adopts it (and keeps it).
+    ca.revoke(cluster_ca, "n3")
+    master = Checker(tls(cluster_ca, "n1"))
+    assert master.crl_der()
+    n3 = encode(report("n3"))
+    n3_seal = Sealer.of(tls(cluster_ca, "n3")).seal(n3)
+    assert "revoked" in (master.check("n3", n3, n3_seal) or "")
+    late = tmp_path / "late"
+    late.mkdir()
+    for f in ("ca.pem", "node.pem", "node.key"):
+        (late / f).write_bytes((cluster_ca / "nodes" / "n2" / f).read_bytes())
+    stale = Checker(Credentials(None, late))
+    assert stale.check("n3", n3, n3_seal) is None
+    view = encode(cm.ClusterView(term=1, master="n1"))
+    view_seal = Sealer.of(tls(cluster_ca, "n1")).seal(view, master.crl_der())
+    assert stale.check("n1", view, view_seal) is None and stale.adopt_crl(view_seal)
+    assert "revoked" in (stale.check("n3", n3, n3_seal) or "")
+    assert "revoked" in (Checker(Credentials(None, late)).check("n3", n3, n3_seal) or "")  # kept on disk
+    assert not stale.adopt_crl(view_seal)  # not newer
+
+
+def test_keyed_and_open_clusters() -> None:
+    data = encode(report("k1"))
+    keyed = Checker(Credentials("right-secret-0123"))
+    assert keyed.check("k1", data, Sealer.of(Credentials("right-secret-0123")).seal(data)) is None
+    assert (
+        keyed.check("k1", data, Sealer.of(Credentials("wrong-secret-0123")).seal(data))
+        == "a wrong key's seal"
+    )
+    assert keyed.check("k1", data, None) == "no seal"
+    assert (
+        Sealer.of(Credentials()).seal(data) is None and Checker(Credentials()).check("k1", data, None) is None
+    )
+
+
+class _Bytes:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def to_bytes(self) -> bytes:
+        return self.data
+
+
+def sample(key: str, data: bytes, seal: bytes | None) -> Any:
+    return types.SimpleNamespace(
+        key_expr=key, payload=_Bytes(data), attachment=None if seal is None else _Bytes(seal)
+    )
+
+
+def node_stub(creds: Credentials) -> tuple[Any, list[Any]]:
+    """Node's real receive handlers over a stub of the rest: what they enqueue is what the node folds."""
+    got: list[Any] = []
+    stub = types.SimpleNamespace(_checker=Checker(creds), _enqueue=got.append)
+    stub._unsealed = types.MethodType(Node._unsealed, stub)
+    return stub, got
+
+
+def test_the_node_folds_only_reports_and_ballots_whose_seal_names_their_speaker(cluster_ca: Path) -> None:
+    stub, got = node_stub(tls(cluster_ca, "n1"))
+    n2 = Sealer.of(tls(cluster_ca, "n2"))
+    before = sum(v for (what, why), v in refusals.counts().items() if why == "seal")
+    honest = encode(report("n2"))
+    Node._on_report(stub, sample("shardline/node/n2/report", honest, n2.seal(honest)))
+    # n2 speaking as n3 (its report names n3, on n3's key): refused. So is a client's report, and a claim
+    # by n2 for candidate n3, and a report with an imported_at of 0 from a client certificate.
+    forged = encode(report("n3", digest="2" * 64, at=0.0))
+    Node._on_report(stub, sample("shardline/node/n3/report", forged, n2.seal(forged)))
+    client = encode(report("client", digest="2" * 64, at=0.0))
+    Node._on_report(
+        stub,
+        sample("shardline/node/client/report", client, Sealer.of(tls(cluster_ca, "client")).seal(client)),
+    )
+    claim = encode(cm.Claim(term=5, candidate="n3", members=["n1", "n2", "n3"]))
+    Node._on_ballot(stub, sample("shardline/master/ballot", claim, n2.seal(claim)))
+    # A report of n2 on n3's key is refused too.
+    Node._on_report(stub, sample("shardline/node/n3/report", honest, n2.seal(honest)))
+    assert [type(e) for e in got] == [cs.ReportIn] and got[0].report.node_id == "n2"
+    after = sum(v for (what, why), v in refusals.counts().items() if why in ("seal", "key"))
+    assert after - before >= 4
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("tls-ca")
+    ca.init(root, ["t1", "t2"])
+    cluster = LocalCluster(tmp_path_factory.mktemp("tls"), ["t1", "t2"], models, tls_root=root).start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(180)
+def test_tls_daemons_seal_their_reports_and_meet(tls_cluster: LocalCluster) -> None:
+    client = tls_cluster.client()
+    view = client.wait(lambda v: tls_cluster.alive_ids(v) == {"t1", "t2"}, 120, "both TLS nodes alive")
+    assert view.master in {"t1", "t2"}

@@ -15,7 +15,6 @@ from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, Outbox, open_session
-from shardline.errors import OverloadError
 from shardline.runner.spec import Fault
 from shardline.testing.reference import Reference
 
@@ -123,11 +122,11 @@ def test_recovery_with_concurrent_greedy_and_seeded_requests(tiny_models, start_
 
 
 @pytest.mark.timeout(240)
-def test_admission_keeps_kv_within_budget_and_bounds_the_queue(tiny_models, start_engine, reference):
+def test_admission_reserves_kv_as_used_and_preempts_rather_than_refuses(tiny_models, start_engine, reference):
     per_token = 6 * 2 * 2 * 16 * 4  # tiny llama: layers x (k, v) x kv heads x head dim x float32
     big = reservation_bytes(30, 400, per_token, STEP)  # KV comes in blocks of one prefill chunk
-    budget = 4 * big  # four long requests fill it
-    engine = start_engine(tiny_models["llama"], 2, kv_budget_bytes=budget, max_queue=28, **FAST)
+    budget = 2 * big  # two long requests, grown to their end, fill it: four must take turns
+    engine = start_engine(tiny_models["llama"], 2, kv_budget_bytes=budget, **FAST)
     long_prompts = [random_prompt(30, seed=100 + i) for i in range(4)]
     short_prompts = [random_prompt(20 + i, seed=200 + i) for i in range(28)]
     expected = [reference.greedy(p, 400)[0] for p in long_prompts]
@@ -135,11 +134,9 @@ def test_admission_keeps_kv_within_budget_and_bounds_the_queue(tiny_models, star
 
     handles = [engine.submit(p, max_tokens=400) for p in long_prompts]
     assert engine.front.kv_bytes_per_token == per_token
-    wait_for(lambda: engine.front.running() == 4, 30, "the long requests are admitted")
     handles += [engine.submit(p, max_tokens=10) for p in short_prompts]
-    assert engine.front.waiting() == 28  # the budget is full: the rest wait, in order
-    with pytest.raises(OverloadError, match="28 requests are waiting"):
-        engine.submit(random_prompt(10, seed=300), max_tokens=4)
+    # What a request holds is what it has used: every one runs at first; the newest go back to the queue
+    # when the long ones outgrow the budget, and recompute their tokens exactly when admitted again.
     assert [h.tokens(timeout=200) for h in handles] == expected
     beats = engine.fresh_heartbeats(10)
     peak = sum(b.kv_peak_bytes for b in beats)
@@ -192,3 +189,49 @@ def test_garbage_and_other_generations_change_nothing(tiny_models, start_engine,
         assert dropped["front"] >= 3 and dropped["controller"] >= 5, dropped
     finally:
         peer.close()
+
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What colour is the sky on a clear day?",
+    "Name a famous painting.",
+    "How many legs does a spider have?",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_eight_requests_without_max_tokens_run_at_once_on_the_default_model(
+    model_dir, tokenizer, start_engine
+):
+    from shardline.cluster.placement import DEFAULT_RESERVE_TOKENS, PlacementRequest, footprint_from_dir
+
+    fp = footprint_from_dir(model_dir)
+    # The KV budget a cluster gives the default model's instance (cluster/master_state.py): its default
+    # sequences of min(context, 4096) tokens.
+    sequences = PlacementRequest().sequences * min(fp.context_length, DEFAULT_RESERVE_TOKENS)
+    budget = fp.kv_bytes_per_token_per_layer * fp.layers * sequences
+    engine = start_engine(model_dir, 2, prefill_step=64, kv_budget_bytes=budget)
+    handles = []
+    for question in PROMPTS:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        # No max_tokens: what the API allows then is the rest of the context. No end token either, so
+        # that none ends while the others start.
+        handles.append(engine.submit(ids, max_tokens=fp.context_length - len(ids), stop_tokens=[]))
+
+    def all_running() -> bool:
+        return all(h.state.generated for h in handles)
+
+    wait_for(all_running, 300, "a first token of every request")
+    assert not any(h.done for h in handles)  # all eight at once: none waited for another to end
+    wait_for(lambda: engine.front.running() == len(PROMPTS), 30, "the leader admitting all eight")
+    print(f"requests without max_tokens running at once: {engine.front.running()} of {len(PROMPTS)}")
+    for h in handles:
+        h.cancel()

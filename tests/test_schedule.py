@@ -22,6 +22,8 @@ from shardline.runner.schedule import (
     ReleaseRequest,
     apply_step_sent,
     apply_token,
+    grown_blocks,
+    make_room,
     next_chunk,
     plan,
 )
@@ -346,3 +348,24 @@ def test_last_slot_goes_to_prefill_so_decoders_cannot_starve_it() -> None:
     # ... but the last slot takes the waiting prompt, however many streams are decoding.
     step = plan(reqs, 2, 3, 8)
     assert isinstance(step, FeedStep) and step.request_id == "new" and step.pos == 0
+
+
+# ---- KV as it is used ---------------------------------------------------------------------------------------
+
+
+def test_a_reservation_grows_a_block_at_a_time() -> None:
+    assert grown_blocks(covered=16, positions=16, block=8) == 0
+    assert grown_blocks(covered=16, positions=17, block=8) == 1
+    assert grown_blocks(covered=0, positions=20, block=8) == 3
+    assert grown_blocks(covered=24, positions=9, block=8) == 0
+
+
+def test_out_of_kv_the_newest_goes_back_then_a_lone_one_ends() -> None:
+    old = LeaderRequest(spec("old", [5] * 4, 100), arrival=0)
+    new = LeaderRequest(spec("new", [5] * 4, 100), arrival=1)
+    assert make_room([old, new], "old") == ("preempt", "new")
+    assert make_room([old, new], "new") == ("preempt", "new")  # the newest is the one that needs the block
+    new.done = True  # preempted, with a step still in flight: its blocks come back with it
+    assert make_room([old, new], "old") == ("wait", None)
+    new.released = True
+    assert make_room([old, new], "old") == ("truncate", "old")

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
@@ -39,7 +40,7 @@ from shardline.dataplane.frame import decode
 from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
 from shardline.front.figures import LeaderFigures
 from shardline.front.front import Front
-from shardline.front.request import RequestHandle, Token
+from shardline.front.request import RequestDeadlineError, RequestHandle, Token
 
 log = logging.getLogger("shardline.api")
 REMOVED_AFTER_S = 2.0  # an instance missing from views this long is gone (a new master's first view may lag)
@@ -160,6 +161,8 @@ class ActiveRequest:
     metrics: Metrics
     release: Callable[[], None]
     endpoint: str
+    # Runs a callable later, off whatever thread a finaliser interrupted (which may hold any lock).
+    defer: Callable[[Callable[[], None]], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     outcome: Outcome | None = None
     _first: float | None = None
@@ -181,6 +184,11 @@ class ActiveRequest:
                 wake.clear()
                 try:
                     tokens, ended = self.handle.drain()
+                except RequestDeadlineError as exc:
+                    outcome = "error"
+                    raise ApiError(
+                        503, f"the request timed out: {exc}", "timeout_error", code="timeout"
+                    ) from exc
                 except RequestError as exc:
                     outcome = "error"
                     raise ApiError(503, f"the request failed: {exc}", "server_error") from exc
@@ -190,7 +198,7 @@ class ActiveRequest:
                     used = tokens[: self.stream.tokens - counted]  # those before a stop string
                     self.used += used
                     if self.stream.stopped is not None:
-                        self.handle.cancel()  # the rest is not wanted: free the pipeline now
+                        self.handle.cancel_soon()  # the rest is not wanted: free the pipeline now
                         self._finish("stop")
                         yield Chunk(text + self.stream.flush(), used)
                         return
@@ -210,9 +218,16 @@ class ActiveRequest:
 
     def __del__(self) -> None:
         # A backstop: a run dropped on a path that never reached its response (an exception or a
-        # cancellation between start and respond) still frees its slot and its place in the pipeline.
+        # cancellation between start and respond) still frees its slot and its place in the pipeline. A
+        # finaliser may run inside any code holding any lock (the slot count's, the front's, a metric's):
+        # it only hands the close to the service, which runs it later.
+        if self._closed:
+            return
         try:
-            self.close()
+            if self.defer is not None:
+                self.defer(self.close)
+            else:
+                self.close()
         except Exception:
             pass
 
@@ -222,7 +237,7 @@ class ActiveRequest:
             return
         self._closed = True
         if self.outcome is None:
-            self.handle.cancel()
+            self.handle.cancel_soon()  # sent from the front's thread: no blocking put on the event loop
             self.metrics.requests.labels(self.endpoint, outcome).inc()
         self.release()
 
@@ -281,6 +296,7 @@ class Service:
         self._texts_lock = threading.Lock()
         self._pending = 0
         self._pending_lock = threading.Lock()
+        self._deferred: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # closes from finalisers
         self._finished: deque[float] = deque(maxlen=256)  # when recent requests ended: the drain rate
         self._ids = itertools.count()
         # Cluster events and views, fanned out to /events listeners (asyncio queues on the server's loop).
@@ -455,7 +471,23 @@ class Service:
 
     # ---- requests ------------------------------------------------------------------------------------------
 
+    def defer(self, close: Callable[[], None]) -> None:
+        """Run `close` later, from a thread that holds no lock (see ActiveRequest.__del__)."""
+        self._deferred.put(close)
+
+    def run_deferred(self) -> None:
+        while True:
+            try:
+                close = self._deferred.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                close()
+            except Exception:
+                log.exception("api: a deferred close failed")
+
     def _admit(self) -> None:
+        self.run_deferred()
         with self._pending_lock:
             if self._pending >= self.settings.max_pending:
                 raise ApiError(
@@ -471,6 +503,7 @@ class Service:
     @property
     def pending(self) -> int:
         """Requests admitted through this node and not yet ended (the count max_pending limits)."""
+        self.run_deferred()
         with self._pending_lock:
             return self._pending
 
@@ -515,7 +548,15 @@ class Service:
             raise
         try:
             eos = [] if ignore_eos else text.eos
-            handle = front.submit(ids, max_tokens=limit, sampling=sampling, stop_tokens=eos)
+            # Off the event loop: a submit puts on zenoh with congestion control BLOCK.
+            submitted = asyncio.ensure_future(
+                asyncio.to_thread(front.submit, ids, max_tokens=limit, sampling=sampling, stop_tokens=eos)
+            )
+            try:
+                handle = await asyncio.shield(submitted)
+            except asyncio.CancelledError:
+                submitted.add_done_callback(_cancel_submitted)  # the client left: what it started ends too
+                raise
         except BaseException as exc:
             self._release()
             err = _submit_error(exc)
@@ -534,6 +575,7 @@ class Service:
             metrics=self.metrics,
             release=self._release,
             endpoint=endpoint,
+            defer=self.defer,
         )
 
     # ---- events --------------------------------------------------------------------------------------------
@@ -548,6 +590,7 @@ class Service:
         while not self._closed.is_set():
             self._view_ready.wait(timeout=max(0.0, sampled + SAMPLE_S - time.monotonic()))
             self._view_ready.clear()
+            self.run_deferred()
             if time.monotonic() - sampled >= SAMPLE_S:
                 sampled = time.monotonic()
                 self.histories.sample_all(self.figures(), sampled)
@@ -629,6 +672,11 @@ def _offer(q: asyncio.Queue[tuple[str, Any]], item: tuple[str, Any]) -> None:
         except asyncio.QueueEmpty:
             pass
     q.put_nowait(item)
+
+
+def _cancel_submitted(done: asyncio.Future[RequestHandle]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        done.result().cancel_soon()
 
 
 def _context(rec: cm.InstanceRecord, text: ModelText) -> int:

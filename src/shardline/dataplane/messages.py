@@ -182,6 +182,9 @@ class Submit(Wire):
     front: str  # the sending front and its message count: the leader's beat says what it has seen
     seq: int
     request: RequestSpec
+    # A request some earlier generation had (the front resends it after a failure): accepted already, so
+    # never refused for a full waiting queue; a recovery must not lose what every front held.
+    resubmit: bool = False
 
 
 class Cancel(Wire):

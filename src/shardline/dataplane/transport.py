@@ -112,6 +112,13 @@ class Keys:
         # Fronts listen before they know the generation: a leader's events must match a receiver at once.
         return f"{self.base}/*/events"
 
+    def reply(self, front: str) -> str:
+        """One front's own events (its requests' tokens and ends): no front receives another's traffic."""
+        return f"{self.root}/events/{front}"
+
+    def replies_any(self, front: str) -> str:
+        return f"{self.base}/*/events/{front}"
+
     def status(self, stage: int) -> str:
         return f"{self.root}/status/{stage}"
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import re
 import threading
 import time
 import uuid
@@ -23,7 +25,7 @@ from typing import Any
 
 import zenoh
 
-from shardline.compute.kv import KV_STEP, reservation_bytes
+from shardline.compute.kv import KV_STEP, round_up
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import frame
 from shardline.dataplane import messages as m
@@ -38,6 +40,49 @@ MAX_REQUEST_ID = 128
 # that dropped what it held): transport time, whatever the leader is computing, plus a flap within the lease.
 SUBMIT_LOST_S = 8.0
 REPORT_AGAIN_S = 1.0  # a generation's fault still seen this long after its last report is reported again
+FRONT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # a key chunk: the front's reply key ends with it
+# Events a front queues while it is busy: only its own requests' events and the leader's beats reach it
+# (keys.reply), so this holds 64 streams at 100 tokens a second for 10 s before a token is dropped.
+INBOX_CAPACITY = 65536
+# Deadlines of a request's waits, at rates well under what the slowest setup sustains (a large model on
+# CPU), so that one passes only when the request is stuck, never when it is slow: a generous floor that a
+# rebuild after a failure (load, warm-up, replay) fits in, a share per request queued ahead of it, its prompt
+# at PREFILL_TOKENS_PER_S and its tokens at DECODE_TOKENS_PER_S.
+WAIT_FLOOR_S = 180.0
+QUEUED_AHEAD_S = 10.0
+PREFILL_TOKENS_PER_S = 20.0
+DECODE_TOKENS_PER_S = 1.0
+DEADLINE_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    first_token_s: float  # from submit to the first token
+    stall_s: float  # from one token to the next (a resume replays the prompt and the tokens so far)
+    total_s: float  # from submit to the end
+
+
+def request_deadlines(ahead: int, prompt: int, max_tokens: int, floor_s: float = WAIT_FLOOR_S) -> Deadlines:
+    """How long a request may wait for what, scaled to its work: requests ahead of it, its prompt, its
+    max_tokens."""
+    first = floor_s + ahead * QUEUED_AHEAD_S + prompt / PREFILL_TOKENS_PER_S
+    stall = floor_s + (prompt + max_tokens) / PREFILL_TOKENS_PER_S
+    return Deadlines(first, stall, first + max_tokens / DECODE_TOKENS_PER_S)
+
+
+def expired_wait(state: RequestState, now: float, stall_s: float) -> str | None:
+    """Which of the request's waits passed its deadline at `now`, said for its client; None while none."""
+    if not state.generated and now > state.first_token_by:
+        where = "the instance serving it" if state.sent_generation is None else "its first token"
+        late = now - state.submitted_at
+        return f"the request waited {late:.0f}s for {where}, past its deadline; retry later"
+    if state.generated and now - state.progress_at > stall_s:
+        gap = now - state.progress_at
+        return f"no token came for {gap:.0f}s after token {len(state.generated)}, past its deadline"
+    if now > state.done_by:
+        late = now - state.submitted_at
+        return f"the request did not finish within its deadline ({late:.0f}s, {len(state.generated)} tokens)"
+    return None
 
 
 class _Superseded(Exception):
@@ -82,8 +127,12 @@ class Front:
         resume: str = "exact",
         match_timeout: float = 10.0,
         name: str | None = None,
+        wait_floor_s: float = WAIT_FLOOR_S,
     ) -> None:
         self.name = name or f"front-{uuid.uuid4().hex[:8]}"
+        if not FRONT_NAME.fullmatch(self.name):
+            raise ValueError(f"a front's name is 1..128 letters, digits, '.', '_' or '-', not {self.name!r}")
+        self.wait_floor_s = wait_floor_s
         self.limits = limits
         self.max_queue = max_queue
         self.resume = resume
@@ -108,8 +157,13 @@ class Front:
         self._failed_term = -1  # the term whose controller gave the instance up
         self.leader_held = 0  # requests the serving leader holds (admitted or waiting), from its last beat
         self.figures = LeaderFigures()  # the instance's traffic from every front, from the leader's beats
-        self._inbox = Inbox(session, name=self.name)
+        # Cancels asked for where the lock may be held already (a handle's finaliser): sent from the thread.
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._checked = 0.0  # when deadlines were last checked
+        self._inbox = Inbox(session, name=self.name, capacity=INBOX_CAPACITY)
+        # The leader's beats to every front, and this front's own requests' events: never another's.
         self._inbox.subscribe(self.keys.events_any, m.EVENTS, "events")
+        self._inbox.subscribe(self.keys.replies_any(self.name), m.EVENTS, "events")
         self._inbox.subscribe(self.keys.updates, m.INSTANCE, "updates")
         self._reports = Outbox(session, self.keys.reports)
         self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
@@ -156,7 +210,7 @@ class Front:
             stop_tokens=list(stop_tokens or []),
             want_logits=want_logits,
         )
-        handle = RequestHandle(state, self.cancel)
+        handle = RequestHandle(state, self.cancel, self.cancel_soon)
         with self._lock:
             if self.closed:
                 raise EngineError("engine is shut down")
@@ -165,12 +219,20 @@ class Front:
             if state.request_id in self.requests:
                 raise ValueError(f"request id {state.request_id!r} is already running")
             per_token, budget = self.kv_bytes_per_token, self.kv_budget_bytes
-            need = reservation_bytes(len(prompt), max_tokens, per_token, self.kv_block)
+            # KV is reserved as it is used (runner/leader.py): a request fits when its prompt does; one that
+            # outgrows what the instance holds waits its turn, or ends there if it is alone.
+            need = round_up(len(prompt) + 1, self.kv_block) * per_token
             if budget and per_token and need > budget:
-                raise ValueError(f"request needs {need} bytes of KV cache; the instance's budget is {budget}")
+                raise ContextLengthError(
+                    f"the prompt's {len(prompt)} tokens need {need} bytes of KV cache; the instance holds "
+                    f"{budget}"
+                )
             waiting = sum(1 for h in self.requests.values() if not h.state.admitted)
             if waiting >= self.max_queue:
                 raise OverloadError(f"{waiting} requests are waiting already (limit {self.max_queue})")
+            limits = request_deadlines(self.leader_held + waiting, len(prompt), max_tokens, self.wait_floor_s)
+            state.first_token_by = state.submitted_at + limits.first_token_s
+            state.done_by = state.submitted_at + limits.total_s
             self.requests[state.request_id] = handle
             # While no generation serves, the request waits here; the next Serving sends it.
             target = self._claim([handle]) if self.generation is not None else None
@@ -188,6 +250,11 @@ class Front:
             control = self._control if sent_here else None
         if control is not None:
             self._send(control, lambda seq: m.Cancel(front=self.name, seq=seq, request_id=request_id))
+
+    def cancel_soon(self, request_id: str) -> None:
+        """cancel(), from the front's thread: safe where this thread may hold the front's lock (a finaliser)
+        and where a send must not block (an event loop)."""
+        self._cancels.put(request_id)
 
     def announce(self, update: Any) -> None:
         """An instance update learnt elsewhere (the cluster view): handled in order with the others."""
@@ -223,6 +290,7 @@ class Front:
         assert self.generation is not None and self._control is not None
         mine = [h for h in handles if not h.done and h.state.sent_generation != self.generation]
         for h in mine:
+            h.state.resent = h.state.sent_generation is not None
             h.state.sent_generation = self.generation
             h.state.sent_seq = None
             h.state.admitted = False
@@ -255,10 +323,11 @@ class Front:
                     continue
                 self._seq += 1
                 seq = self._seq
-                h.state.sent_seq = seq  # before the put: a beat covering seq must find it set
-                h.state.sent_at = time.monotonic()
+                with self._lock:  # a beat checks both under it: it sees both set or neither
+                    h.state.sent_at = time.monotonic()
+                    h.state.sent_seq = seq  # before the put: a beat covering seq must find it set
                 try:
-                    control.send(m.Submit(front=self.name, seq=seq, request=spec))
+                    control.send(m.Submit(front=self.name, seq=seq, request=spec, resubmit=h.state.resent))
                 except Exception as exc:
                     log.debug("submit on %s failed: %s", control.key, exc)
 
@@ -273,10 +342,11 @@ class Front:
 
     def _run(self) -> None:
         while not self.closed:
+            self._tick()
             try:
                 env = self._inbox.get(timeout=0.2)
             except DeadlineExceeded:
-                continue  # idle: the tick only notices close()
+                continue  # idle: the tick notices close(), cancels asked for and deadlines
             try:
                 if env.source == "updates":
                     self._on_update(env.message)
@@ -360,6 +430,40 @@ class Front:
                 self.generation = None
                 self._fail_all(f"instance failed: {msg.why}")
             self.serving.set()  # wakes whoever waits for the first generation: it will not come
+
+    def _tick(self) -> None:
+        while True:
+            try:
+                self.cancel(self._cancels.get_nowait())
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        if now - self._checked < DEADLINE_CHECK_S:
+            return
+        self._checked = now
+        expired: list[tuple[RequestHandle, str]] = []
+        with self._lock:
+            for h in self.requests.values():
+                s = h.state
+                stall = request_deadlines(0, len(s.prompt), s.max_tokens, self.wait_floor_s).stall_s
+                if (why := expired_wait(s, now, stall)) is not None:
+                    expired.append((h, why))
+        for h, why in expired:
+            log.warning("request %s: %s", h.request_id, why)
+            self._expire(h, why)
+
+    def _expire(self, handle: RequestHandle, why: str) -> None:
+        """End a request whose wait passed its deadline, with that error; the leader releases it."""
+        with self._lock:
+            if self.requests.pop(handle.request_id, None) is None:
+                return
+            handle.state.expired = True
+            handle._finish(error=why)
+            sent_here = handle.state.sent_generation == self.generation and self.generation is not None
+            control = self._control if sent_here else None
+        if control is not None:
+            rid = handle.request_id
+            self._send(control, lambda seq: m.Cancel(front=self.name, seq=seq, request_id=rid))
 
     def _superseded(self, serving: m.Serving) -> None:
         """Raises _Superseded when an update queued behind `serving` outranks it: a view still listing a

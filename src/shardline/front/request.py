@@ -15,6 +15,10 @@ from shardline.dataplane import messages as m
 from shardline.errors import RequestError
 
 
+class RequestDeadlineError(RequestError):
+    """The request's wait passed its deadline (front.request_deadlines); the message says which wait."""
+
+
 @dataclass
 class Token:
     index: int
@@ -41,7 +45,13 @@ class RequestState:
     sent_generation: int | None = None
     sent_seq: int | None = None
     sent_at: float = 0.0  # monotonic, when its Submit went out
+    resent: bool = False  # its newest Submit resends what an earlier generation had
     admitted: bool = False
+    # Its deadlines (monotonic): the first token, and the whole answer; and when a token last arrived.
+    first_token_by: float = float("inf")
+    done_by: float = float("inf")
+    progress_at: float = field(default_factory=time.monotonic)
+    expired: bool = False  # it ended because a deadline passed
     # Prompt tokens whose KV the leader took from its prefix cache, as its Finished says (0 until then, and
     # for a request ended here, e.g. at a stop string, before the leader's end arrived).
     cached_tokens: int = 0
@@ -78,9 +88,15 @@ class RequestHandle:
     Every handle ends: with its tokens and a finish reason, or with an error (the front guarantees it).
     """
 
-    def __init__(self, state: RequestState, cancel: Callable[[str], None]) -> None:
-        # A callback rather than the front itself: the handle needs only this, and request.py stays a leaf.
+    def __init__(
+        self,
+        state: RequestState,
+        cancel: Callable[[str], None],
+        cancel_soon: Callable[[str], None] | None = None,
+    ) -> None:
+        # Callbacks rather than the front itself: the handle needs only these, and request.py stays a leaf.
         self._cancel = cancel
+        self._cancel_soon = cancel_soon or cancel
         self.state = state
         self._queue: queue.Queue[Token | object] = queue.Queue()  # at most max_tokens + 1 items
         self._done = threading.Event()
@@ -120,6 +136,7 @@ class RequestHandle:
     # Called by the front, under its lock: never blocks.
     def _token(self, event: m.TokenEvent, tensor: mx.array | None) -> None:
         self.state.generated.append(event.token)
+        self.state.progress_at = time.monotonic()
         self._queue.put(Token(event.index, event.token, event.logprob, event.top_logprobs, tensor))
         self._wake()
 
@@ -147,7 +164,7 @@ class RequestHandle:
             else:
                 self._ended = True
         if self._ended and not out and self.state.error is not None:
-            raise RequestError(self.state.error)
+            raise self._error()
         return out, self._ended and not (out and self.state.error is not None)
 
     def stream(self, timeout: float | None = None) -> Iterator[Token]:
@@ -164,7 +181,7 @@ class RequestHandle:
             if isinstance(item, Token):
                 yield item
             elif self.state.error is not None:
-                raise RequestError(self.state.error)
+                raise self._error()
             else:
                 return
 
@@ -176,8 +193,18 @@ class RequestHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished within {timeout}s")
         if self.state.error is not None:
-            raise RequestError(self.state.error)
+            raise self._error()
         return list(self.state.generated)
+
+    def _error(self) -> RequestError:
+        assert self.state.error is not None
+        kind = RequestDeadlineError if self.state.expired else RequestError
+        return kind(self.state.error)
 
     def cancel(self) -> None:
         self._cancel(self.request_id)
+
+    def cancel_soon(self) -> None:
+        """Cancel from the front's own thread: never blocks, never takes a lock the caller may hold (for
+        finalisers, and for event loops, where a send must not block)."""
+        self._cancel_soon(self.request_id)

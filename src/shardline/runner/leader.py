@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -9,10 +11,11 @@ from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 
+from shardline.compute.kv import round_up
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Outbox
+from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Keys, Outbox
 from shardline.runner import schedule
 from shardline.runner.batch_rates import BatchRates
 from shardline.runner.deadline import DeadlinePolicy, Speed
@@ -24,6 +27,10 @@ from shardline.runner.spec import RunnerSpec
 from shardline.runner.worker import WARMUP_ID, ProtocolError, StageWorker
 
 TOKEN_FIELDS = {"token", "logprob", "top_logprobs"}
+log = logging.getLogger("shardline.leader")
+# A front's name is a key chunk of its reply key: anything else cannot be answered, and is not served.
+FRONT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+REPLY_OUTBOXES = 256  # fronts answered at once; the least recently used beyond it are closed
 
 
 @dataclass
@@ -49,6 +56,9 @@ class StageHost(Protocol):
     faults: Faults
     policy: DeadlinePolicy
     received: dict[str, int]  # front -> newest control seq that reached the process (set on arrival)
+    # Where each front's events go (keys.reply); a stand-in without a session answers on `events`.
+    session: Any
+    keys: Keys
 
     def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]: ...
 
@@ -61,6 +71,13 @@ class Leader:
         self.worker = runner.worker
         self.requests: dict[str, schedule.LeaderRequest] = {}  # admitted
         self.waiting: deque[m.RequestSpec] = deque()  # KV does not fit yet: strict FIFO
+        # KV is reserved as it is used: each running request's reservation covers this many positions, and
+        # grows a block at a time; when the budget is out, the newest request goes back to the queue.
+        self.covered: dict[str, int] = {}
+        self.preempted: dict[str, m.RequestSpec] = {}  # going back to the queue once nothing is in flight
+        self.starved = False  # a running request waits for a block: nothing new is admitted meanwhile
+        self.front_of: dict[str, str] = {}  # request -> the front that sent it (its events go there)
+        self.replies: OrderedDict[str, Outbox] = OrderedDict()
         self.in_flight: OrderedDict[int, InFlight] = OrderedDict()  # step seq -> step, oldest first
         self.seen: dict[str, int] = {}  # front -> last control seq
         # Every request held (waiting or admitted), in one dict the beat copies in one step: a request moves
@@ -205,7 +222,14 @@ class Leader:
                 return
             if isinstance(action, schedule.ReleaseRequest):
                 self.release(action.request_id)
-            elif isinstance(action, schedule.FeedBatch):
+                self.drain()
+                continue
+            room = self.room(action.rows if isinstance(action, schedule.FeedBatch) else (action,))
+            if room == "wait":
+                return  # blocks come back with results in flight
+            if room == "replan":
+                continue
+            if isinstance(action, schedule.FeedBatch):
                 self.feed_rows(action.rows)
             else:
                 self.batch_rates.disturb()  # a prefill chunk shares the stages: not a decode-only segment
@@ -216,7 +240,14 @@ class Leader:
         msg = env.message
         if isinstance(msg, m.Submit | m.Cancel):
             if isinstance(msg, m.Submit):
-                self.on_submit(msg.request)
+                if not FRONT_NAME.fullmatch(msg.front):
+                    self.r.inbox.drop(
+                        f"submit from a front named {msg.front[:40]!r}, which no key can answer"
+                    )
+                    return
+                if msg.request.request_id not in self.held:
+                    self.front_of[msg.request.request_id] = msg.front
+                self.on_submit(msg.request, msg.resubmit)
             else:
                 self.on_cancel(msg.request_id)
             # Seen only once handled: a beat that counts this seq must already hold the request (or its end
@@ -235,17 +266,27 @@ class Leader:
         else:
             self.r.inbox.drop(f"leader does not take {msg.kind} messages")
 
-    def on_submit(self, spec: m.RequestSpec) -> None:
+    def on_submit(self, spec: m.RequestSpec, resubmit: bool = False) -> None:
         rid = spec.request_id
-        if rid in self.requests or any(w.request_id == rid for w in self.waiting) or rid == WARMUP_ID:
+        if rid in self.held or rid == WARMUP_ID:
             self.r.inbox.drop(f"duplicate submit of {rid}")  # a front's resend: the first one stands
             return
         need = self.reservation(spec)
         budget = self.spec.kv_budget_bytes
         if budget and need > budget:
-            self.emit(m.RequestFailed(request_id=rid, message=f"needs {need} bytes of KV, budget {budget}"))
-        elif len(self.waiting) >= self.spec.max_waiting:
+            tokens = len(spec.prompt) + len(spec.generated)
+            self.emit(
+                m.RequestFailed(
+                    request_id=rid,
+                    message=f"its {tokens} tokens need {need} bytes of KV; the instance holds {budget}",
+                )
+            )
+            self.front_of.pop(rid, None)
+        elif len(self.waiting) >= self.spec.max_waiting and not resubmit:
+            # A resubmission was accepted already (by an earlier generation): each front bounds its own, so
+            # a recovery never refuses what every front held.
             self.emit(m.RequestFailed(request_id=rid, message="leader queue full"))
+            self.front_of.pop(rid, None)
         else:
             if not spec.generated and spec.index_base == 0:  # a resumed request has had its first token
                 self.submitted_at[rid] = time.monotonic()
@@ -254,15 +295,23 @@ class Leader:
             self.admit()
 
     def reservation(self, spec: m.RequestSpec) -> int:
-        """The KV a request may allocate, as if nothing were cached: what it is admitted against."""
-        return self.ledger.need(len(spec.prompt) + spec.max_tokens)
+        """The KV a request is admitted against, as if nothing were cached: every token it knows and the
+        next one. It grows a block at a time as it is used (room), never by what max_tokens might reach."""
+        return self.ledger.need(self.first_positions(spec))
+
+    @staticmethod
+    def first_positions(spec: m.RequestSpec) -> int:
+        return len(spec.prompt) + len(spec.generated) + 1
 
     def admit(self) -> None:
+        if self.starved:
+            return  # what frees goes to the running request that waits for a block first
         count, evicted = self.ledger.admit([self.reservation(s) for s in self.waiting])
         self.evict(evicted)
         for _ in range(count):
             spec = self.waiting.popleft()
             self.ledger.start(spec.request_id, self.reservation(spec), spec.prompt)
+            self.covered[spec.request_id] = round_up(self.first_positions(spec), self.ledger.block)
             self.requests[spec.request_id] = schedule.LeaderRequest(spec=spec, arrival=self.arrivals)
             self.arrivals += 1
             self.emit(m.Admitted(request_id=spec.request_id))
@@ -273,8 +322,14 @@ class Leader:
                 self.waiting.remove(spec)
                 self.held.pop(request_id, None)
                 self.submitted_at.pop(request_id, None)
-                self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=spec.index_base))
+                tokens = spec.index_base + len(spec.generated)
+                self.emit(m.Finished(request_id=request_id, reason="cancelled", tokens=tokens))
+                self.front_of.pop(request_id, None)
                 return
+        spec = self.preempted.pop(request_id, None)
+        if spec is not None:  # going back to the queue once its steps return: it ends instead
+            self.finished(request_id, "cancelled", spec.index_base + len(spec.generated))
+            return
         req = self.requests.get(request_id)
         if req is not None and not req.done:
             req.done = True  # released once its steps in flight come back
@@ -426,13 +481,71 @@ class Leader:
     def release(self, request_id: str) -> None:
         req = self.requests.pop(request_id)
         req.released = True
-        self.held.pop(request_id, None)
-        self.submitted_at.pop(request_id, None)
+        self.covered.pop(request_id, None)
+        requeue = self.preempted.pop(request_id, None)
+        if requeue is None:
+            self.held.pop(request_id, None)
+            self.submitted_at.pop(request_id, None)
+            self.front_of.pop(request_id, None)
         self.worker.release(request_id)
         if self.r.downstream is not None:
             self.r.downstream.send(m.Release(request_id=request_id))
         self.evict(self.ledger.release(request_id))
+        if requeue is not None:
+            # First in line again (it was admitted before everything waiting); its blocks went to the
+            # request that needed them, so it is admitted when something else ends.
+            self.waiting.appendleft(requeue)
+            return
+        self.starved = False
         self.admit()
+
+    # ---- KV as it is used -----------------------------------------------------------------------------
+
+    def room(self, steps: tuple[schedule.FeedStep, ...]) -> Literal["go", "wait", "replan"]:
+        """Grow the reservations of the requests in a step to the positions it fills. Where the budget is
+        out: wait for blocks in flight to come back, or send the newest request back to the queue."""
+        block = self.ledger.block
+        for step in steps:
+            rid = step.request_id
+            covered = self.covered.get(rid, 0)
+            blocks = schedule.grown_blocks(covered, step.pos + step.n, block)
+            if not blocks:
+                continue
+            extra = blocks * self.ledger.block_bytes
+            count, evicted = self.ledger.admit([extra])
+            self.evict(evicted)
+            if count:
+                self.ledger.held[rid].reserved += extra
+                self.covered[rid] = round_up(covered, block) + blocks * block
+                self.starved = False
+                continue
+            self.starved = True
+            decision, victim = schedule.make_room(list(self.requests.values()), rid)
+            if decision == "wait":
+                return "wait"
+            assert victim is not None
+            if decision == "truncate":
+                log.warning("request %s alone fills the KV budget: it ends at %d positions", rid, covered)
+                req = self.requests[rid]
+                req.done = True
+                self.finished(rid, "length", req.spec.index_base + req.generated)
+            else:
+                self.preempt(victim)
+            return "replan"
+        return "go"
+
+    def preempt(self, request_id: str) -> None:
+        """Back to the queue, with every token it has (a resume within this generation): its steps in
+        flight come back unused, then its KV is released everywhere, and it recomputes when admitted."""
+        req = self.requests[request_id]
+        req.done = True
+        generated = req.known[len(req.spec.prompt) :]
+        self.preempted[request_id] = req.spec.model_copy(update={"generated": generated})
+        log.info(
+            "request %s goes back to the queue after %d tokens: the KV budget is out",
+            request_id,
+            req.generated,
+        )
 
     def evict(self, blocks: list[int]) -> None:
         """Cached blocks the ledger dropped: every stage drops them, in ring order (before any later step)."""
@@ -470,5 +583,20 @@ class Leader:
         self.emit(beat)
 
     def emit(self, event: Any, tensor: Any = None) -> None:
+        """A request's events go to its own front only; beats to every front (each reads its part)."""
         assert self.r.events is not None
-        self.r.events.send(event, tensor)
+        front = self.front_of.get(getattr(event, "request_id", ""))
+        out = self.reply_to(front) if front is not None else None
+        (out or self.r.events).send(event, tensor)
+
+    def reply_to(self, front: str) -> Outbox | None:
+        session = getattr(self.r, "session", None)
+        if session is None:
+            return None
+        out = self.replies.get(front)
+        if out is None:
+            out = self.replies[front] = Outbox(session, self.r.keys.reply(front), self.spec.generation)
+            while len(self.replies) > REPLY_OUTBOXES:
+                self.replies.popitem(last=False)[1].close()
+        self.replies.move_to_end(front)
+        return out

@@ -163,3 +163,30 @@ def apply_token(req: LeaderRequest, token: int) -> Literal["stop", "length"] | N
         req.done = True
         return "length"
     return None
+
+
+# ---- KV as it is used -------------------------------------------------------------------------------------
+
+
+def grown_blocks(covered: int, positions: int, block: int) -> int:
+    """Blocks a request must add to hold `positions` when its reservation covers `covered` positions."""
+    return max(0, -(-positions // block) - -(-covered // block))
+
+
+def make_room(
+    requests: list[LeaderRequest], requester: str
+) -> tuple[Literal["wait", "preempt", "truncate"], str | None]:
+    """The KV budget cannot hold `requester`'s next block: what the leader does.
+
+    Requests that ended but still have steps in flight free their blocks when those come back: wait for
+    them. Otherwise the newest running request goes back to the queue (the requester itself when it is the
+    newest) and recomputes later from its tokens; a request alone that outgrows the whole budget ends there,
+    as a request reaching the context's end does.
+    """
+    if any(r.done and not r.released and r.spec.request_id != requester for r in requests):
+        return "wait", None
+    live = [r for r in requests if not r.done]
+    victim = max(live, key=lambda r: r.arrival)
+    if len(live) == 1 and victim.spec.request_id == requester:
+        return "truncate", requester
+    return "preempt", victim.spec.request_id

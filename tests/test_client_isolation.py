@@ -1,0 +1,355 @@
+"""One client cannot hurt another: KV reserved as it is used (no request holds what max_tokens might reach),
+a recovery refuses nothing already accepted, each front hears only its own requests' events, every wait ends
+at a deadline, and a handle's finaliser never deadlocks on a lock its thread holds.
+
+The leader tests drive the real Leader with a one-stage stand-in (its compute answers at once with a token
+that depends only on the request and the position, as greedy decoding does), so they are deterministic."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import wait_for
+
+from shardline.dataplane import messages as m
+from shardline.dataplane.transport import Inbox, Keys, Outbox, open_session
+from shardline.front import front as front_module
+from shardline.front.front import Front, ModelLimits
+from shardline.front.request import RequestDeadlineError
+from shardline.runner.leader import Leader
+
+BLOCK = 8  # positions per KV block (the prefill step)
+TOKEN_BYTES = 8  # KV bytes per position over the whole model
+
+
+class Events:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, event: Any, tensor: Any = None) -> None:
+        self.sent.append(event)
+
+
+def token_at(request_id: str, pos: int) -> int:
+    """What the stand-in samples after position `pos`: the same on every run, as greedy output is."""
+    return 3 + (pos * 7 + len(request_id)) % 50
+
+
+def compute(step: m.Step, x: Any) -> tuple[m.StepResult, None]:
+    if step.rows:
+        rows = [
+            m.RowResult(request_id=r.request_id, token=token_at(r.request_id, r.pos) if r.sample else None)
+            for r in step.rows
+        ]
+        return m.StepResult(seq=step.seq, request_id=step.request_id, rows=rows), None
+    token = token_at(step.request_id, step.pos + step.n - 1) if step.sample else None
+    return m.StepResult(seq=step.seq, request_id=step.request_id, token=token), None
+
+
+def stand_in_leader(
+    budget_blocks: int, max_waiting: int = 16, session: Any = None, keys: Any = None
+) -> Leader:
+    spec = SimpleNamespace(
+        stages=1,
+        layer_end=1,
+        layer_start=0,
+        layer_total=1,
+        kv_budget_bytes=budget_blocks * BLOCK * TOKEN_BYTES,
+        max_waiting=max_waiting,
+        prefill_step=BLOCK,
+        prefix_cache=False,
+        group=1,
+        in_flight_window=1,  # results come back at once: the one slot goes to prefill first
+        max_batch=4,
+        generation=1,
+    )
+    worker = SimpleNamespace(
+        kv_bytes_per_token=TOKEN_BYTES, release=lambda rid: None, evict=lambda blocks: None, steps=0
+    )
+    runner = SimpleNamespace(
+        spec=spec,
+        worker=worker,
+        speed=SimpleNamespace(attn_keys=0),
+        events=Events(),
+        inbox=SimpleNamespace(drop=lambda why: None, get_nowait=lambda: None),
+        downstream=None,
+        received={},
+        compute=compute,
+        faults=SimpleNamespace(take_drop=lambda *a: False),
+        session=session,
+        keys=keys,
+    )
+    return Leader(runner)  # type: ignore[arg-type]
+
+
+def submit(leader: Leader, rid: str, prompt: int, max_tokens: int, seq: int, resubmit: bool = False) -> None:
+    request = m.RequestSpec(request_id=rid, prompt=[9] * prompt, max_tokens=max_tokens)
+    msg = m.Submit(front="f1", seq=seq, request=request, resubmit=resubmit)
+    leader.handle(SimpleNamespace(message=msg))
+
+
+@pytest.mark.timeout(30)
+def test_requests_without_a_real_need_for_max_tokens_all_run_and_kv_stays_within_budget() -> None:
+    # 8 blocks of KV; each request may reach 4 (5 + 20 positions), its prompt needs 1.
+    leader = stand_in_leader(budget_blocks=8)
+    for i in range(4):
+        submit(leader, f"r{i}", prompt=5, max_tokens=20, seq=i + 1)
+    events = leader.r.events.sent
+    assert not [e for e in events if isinstance(e, m.RequestFailed)]
+    assert len(leader.requests) == 4 and not leader.waiting  # all four run at once
+    budget = leader.spec.kv_budget_bytes
+    # Together they grow to 16 blocks: the newest go back to the queue, and recompute when admitted again.
+    preempted: set[str] = set()
+    original = leader.preempt
+
+    def preempt(rid: str) -> None:
+        preempted.add(rid)
+        original(rid)
+
+    leader.preempt = preempt  # type: ignore[method-assign]
+    for _ in range(1000):
+        leader.act()
+        assert leader.ledger.used() <= budget
+        if not leader.requests and not leader.waiting:
+            break
+    assert preempted, "the budget never ran out: the test proves nothing"
+    for i in range(4):
+        rid = f"r{i}"
+        tokens = [e for e in events if isinstance(e, m.TokenEvent) and e.request_id == rid]
+        assert [t.index for t in tokens] == list(range(20)), rid  # each once, in order, none lost
+        assert [t.token for t in tokens] == [token_at(rid, 4 + k) for k in range(20)]
+        ends = [e for e in events if isinstance(e, m.Finished) and e.request_id == rid]
+        assert [(e.reason, e.tokens) for e in ends] == [("length", 20)]
+    assert not leader.held and leader.ledger.used() == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_request_alone_that_outgrows_the_budget_ends_there() -> None:
+    leader = stand_in_leader(budget_blocks=2)
+    submit(leader, "big", prompt=5, max_tokens=100, seq=1)
+    for _ in range(100):
+        leader.act()
+        if not leader.requests:
+            break
+    events = leader.r.events.sent
+    ends = [e for e in events if isinstance(e, m.Finished)]
+    # Two blocks hold 16 positions: the prompt's 5 and 11 tokens, from which a 12th is sampled.
+    assert [(e.reason, e.tokens) for e in ends] == [("length", 12)]
+
+
+@pytest.mark.timeout(30)
+def test_a_cancel_while_preempted_ends_the_request() -> None:
+    leader = stand_in_leader(budget_blocks=2)
+    submit(leader, "a", prompt=5, max_tokens=8, seq=1)
+    submit(leader, "b", prompt=5, max_tokens=8, seq=2)
+    leader.preempt("b")  # as when "a" needs b's block (its steps in flight not back yet)
+    leader.handle(SimpleNamespace(message=m.Cancel(front="f1", seq=3, request_id="b")))
+    leader.act()
+    events = leader.r.events.sent
+    ends = [(e.request_id, e.reason) for e in events if isinstance(e, m.Finished)]
+    assert ends == [("b", "cancelled"), ("a", "length")]  # b ended once, and never ran again
+    assert not leader.waiting and not leader.held
+
+
+@pytest.mark.timeout(30)
+def test_a_resubmission_is_never_refused_for_a_full_queue() -> None:
+    leader = stand_in_leader(budget_blocks=1, max_waiting=1)
+    submit(leader, "run", prompt=5, max_tokens=4, seq=1)
+    submit(leader, "wait", prompt=5, max_tokens=4, seq=2)
+    submit(leader, "new", prompt=5, max_tokens=4, seq=3)
+    failed = [e.request_id for e in leader.r.events.sent if isinstance(e, m.RequestFailed)]
+    assert failed == ["new"]  # a new request beyond the queue is refused
+    submit(leader, "old", prompt=5, max_tokens=4, seq=4, resubmit=True)
+    failed = [e.request_id for e in leader.r.events.sent if isinstance(e, m.RequestFailed)]
+    assert failed == ["new"] and [s.request_id for s in leader.waiting] == ["wait", "old"]
+
+
+# ---- fronts ------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def session_keys(prefix: str) -> Iterator[tuple[Any, Keys]]:
+    session = open_session(["tcp/127.0.0.1:0"], [])
+    try:
+        yield session, Keys(f"{prefix}-{id(session)}")
+    finally:
+        session.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_leader_sends_a_requests_events_to_its_own_front_only() -> None:
+    with session_keys("route") as (session, keys):
+        at = keys.at(1)
+        heard: dict[str, Inbox] = {}
+        for name in ("f1", "f2"):
+            heard[name] = Inbox(session, name=name)
+            heard[name].subscribe(at.reply(name), m.EVENTS, name)
+        leader = stand_in_leader(budget_blocks=8, session=session, keys=at)
+        try:
+            submit(leader, "r1", prompt=5, max_tokens=3, seq=1)
+            leader.act()
+            leader.beat()
+            f1: list[Any] = []
+            wait_for(lambda: f1.extend(iter(heard["f1"].get_nowait, None)) or len(f1) >= 5, 10, "f1's events")
+            kinds = [type(e.message).__name__ for e in f1]
+            assert kinds == ["Admitted", "TokenEvent", "TokenEvent", "TokenEvent", "Finished"], kinds
+            # Only the beat goes to every front; no other front hears a thing.
+            assert [type(e) for e in leader.r.events.sent] == [m.LeaderBeat]
+            assert heard["f2"].get_nowait() is None and heard["f1"].get_nowait() is None
+        finally:
+            for out in leader.replies.values():
+                out.close()
+            for inbox in heard.values():
+                inbox.close()
+
+
+@contextmanager
+def serving_front(session: Any, keys: Keys, name: str, **kw: Any) -> Iterator[Front]:
+    front = Front(session, keys, ModelLimits(64, 1024), name=name, **kw).start()
+    try:
+        yield front
+    finally:
+        front.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_front_takes_its_own_events_and_never_hears_anothers() -> None:
+    with session_keys("own") as (session, keys):
+        control = Inbox(session, 1, name="leader")
+        control.subscribe(keys.at(1).control, m.CONTROL, "control")
+        with serving_front(session, keys, "f1") as f1, serving_front(session, keys, "f2") as f2:
+            for f in (f1, f2):
+                f.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+                assert f.serving.wait(10)
+            handle = f1.submit([1, 2, 3], max_tokens=2)
+            sub = wait_for(control.get_nowait, 10, "the Submit").message
+            assert isinstance(sub, m.Submit) and sub.front == "f1" and not sub.resubmit
+            reply = Outbox(session, keys.at(1).reply("f1"), 1)
+            reply.wait_matched(10)
+            rid = handle.request_id
+            reply.send(m.TokenEvent(request_id=rid, index=0, token=5, logprob=0.0))
+            reply.send(m.TokenEvent(request_id=rid, index=1, token=6, logprob=0.0))
+            reply.send(m.Finished(request_id=rid, reason="length", tokens=2))
+            assert handle.tokens(timeout=10) == [5, 6]
+            other = Outbox(session, keys.at(1).reply("f3"), 1)
+            assert not other._pub.matching_status.matching  # no front but f3 would take f3's events
+            reply.close()
+            other.close()
+        control.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_request_no_instance_serves_ends_at_its_deadline() -> None:
+    with session_keys("deadline") as (session, keys):  # noqa: SIM117 (the front needs its session)
+        with serving_front(session, keys, "f1", wait_floor_s=0.5) as front:  # no generation ever serves
+            handle = front.submit([1, 2, 3], max_tokens=4)
+            with pytest.raises(RequestDeadlineError, match=r"waited .* for the instance serving it"):
+                handle.tokens(timeout=20)
+            assert front.requests == {}
+
+
+def test_deadlines_scale_with_the_work() -> None:
+    base = front_module.request_deadlines(0, 10, 10)
+    assert base.first_token_s >= front_module.WAIT_FLOOR_S
+    queued = front_module.request_deadlines(5, 10, 10)
+    longer = front_module.request_deadlines(0, 10_000, 10_000)
+    assert queued.first_token_s > base.first_token_s
+    assert longer.first_token_s > base.first_token_s and longer.total_s > base.total_s
+    assert longer.stall_s > base.stall_s
+
+
+@pytest.mark.timeout(30)
+def test_a_stalled_stream_ends_at_its_deadline() -> None:
+    with session_keys("stall") as (session, keys):
+        control = Inbox(session, 1, name="leader")  # a leader that listens, then stops answering
+        control.subscribe(keys.at(1).control, m.CONTROL, "control")
+        with serving_front(session, keys, "f1", wait_floor_s=2.0) as front:
+            front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+            assert front.serving.wait(15)
+            reply = Outbox(session, keys.at(1).reply("f1"), 1)
+            reply.wait_matched(10)
+            handle = front.submit([1, 2, 3], max_tokens=4)
+            reply.send(m.TokenEvent(request_id=handle.request_id, index=0, token=5, logprob=0.0))
+            with pytest.raises(RequestDeadlineError, match="no token came"):
+                list(handle.stream(timeout=20))
+            assert handle.state.generated == [5]
+            reply.close()
+            control.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_beat_never_sees_a_submit_half_marked_as_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A beat reads sent_seq and sent_at under the front's lock: it must never see one set without the other
+    (a seq with the previous generation's send time reads as a Submit lost long ago)."""
+    with session_keys("half") as (session, keys):
+        control = Inbox(session, 1, name="leader")
+        control.subscribe(keys.at(1).control, m.CONTROL, "control")
+        with serving_front(session, keys, "f1") as front:
+            front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+            assert front.serving.wait(15)
+            verdicts: list[str | None] = []
+            real = time.monotonic
+            beat = m.LeaderBeat(seen={"f1": 0}, requests=[], received={"f1": 0})
+
+            def monotonic() -> float:
+                import sys
+
+                if sys._getframe(1).f_code.co_name == "_send_submits" and not verdicts:
+                    verdicts.append(front._check_beat(beat))  # a beat at this very point
+                return real()
+
+            monkeypatch.setattr(front_module.time, "monotonic", monotonic)
+            front.submit([1, 2, 3], max_tokens=4)
+            monkeypatch.setattr(front_module.time, "monotonic", real)
+            assert verdicts == [None]
+            control.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_finaliser_never_cancels_through_a_lock_its_thread_holds() -> None:
+    from shardline.api.service import ActiveRequest
+
+    with session_keys("final") as (session, keys):  # noqa: SIM117 (the front needs its session)
+        with serving_front(session, keys, "f1") as front:
+            handle = front.submit([1, 2, 3], max_tokens=4)
+            slot = threading.Lock()  # as the service's slot count: the finaliser frees a slot through it
+            deferred: list[Any] = []
+            counter = SimpleNamespace(inc=lambda: None)
+
+            def release() -> None:
+                with slot:
+                    pass
+
+            run = ActiveRequest(
+                id="x",
+                model="m",
+                instance="i",
+                handle=handle,
+                stream=SimpleNamespace(),  # type: ignore[arg-type]
+                text=SimpleNamespace(),  # type: ignore[arg-type]
+                prompt_tokens=3,
+                started=0.0,
+                metrics=SimpleNamespace(requests=SimpleNamespace(labels=lambda *a: counter)),  # type: ignore[arg-type]
+                release=release,
+                endpoint="chat",
+                defer=deferred.append,
+            )
+
+            def finalise_inside_locks() -> None:
+                with front._lock, slot:  # a collection may run a finaliser anywhere, these held
+                    run.__del__()
+
+            t = threading.Thread(target=finalise_inside_locks, daemon=True)
+            t.start()
+            t.join(5)
+            assert not t.is_alive(), "the finaliser deadlocked on a lock its own thread held"
+            assert len(deferred) == 1
+            deferred[0]()  # the service runs it later, holding nothing
+            wait_for(lambda: handle.done, 5, "the cancel")
+            assert handle.finish_reason == "cancelled" and front.requests == {}

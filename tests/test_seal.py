@@ -4,6 +4,9 @@ revoked; on keyed clusters the key. The node's real handlers, and two TLS daemon
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +17,15 @@ import pytest
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.node import Node
+from shardline.cluster.placement import PlacementRequest
+from shardline.dataplane import messages as m
 from shardline.dataplane.frame import encode
+from shardline.dataplane.transport import Outbox, open_session
+from shardline.node.agent import NodeAgent
 from shardline.testing.cluster import LocalCluster
 from shardline.trust import ca, refusals
 from shardline.trust.credentials import Credentials
-from shardline.trust.seal import Checker, Sealer, certificate_name
+from shardline.trust.seal import Checker, Sealer, certificate_name, register
 
 pytestmark = pytest.mark.timeout(60)
 RES = cm.Resources(memory_total=1, memory_available=1, compute_score=1.0, device="cpu", cpus=1)
@@ -161,8 +168,54 @@ def tls_cluster(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         cluster.close()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_tls_daemons_seal_their_reports_and_meet(tls_cluster: LocalCluster) -> None:
     client = tls_cluster.client()
     view = client.wait(lambda v: tls_cluster.alive_ids(v) == {"t1", "t2"}, 120, "both TLS nodes alive")
     assert view.master in {"t1", "t2"}
+    # The master's commands to both agents are sealed and obeyed: the instance comes up on the two nodes.
+    reply = client.place("tiny-llama", PlacementRequest(sequences=1, reserve_tokens=256, max_stages=2))
+    assert reply.instance is not None
+    rec = client.wait_ready(reply.instance.instance, 150)
+    assert {st.node_id for st in rec.stages} <= {"t1", "t2"}
+
+
+def test_a_node_agent_obeys_commands_sealed_by_a_node_only(cluster_ca: Path, tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"tcp/127.0.0.1:{sock.getsockname()[1]}"
+    server = open_session([endpoint], [])
+    sender = open_session([], [endpoint])
+    agent = NodeAgent(server, "shardline/node/n1/agent", tmp_path / "logs", credentials=tls(cluster_ca, "n1"))
+    agent.start()
+    taken: list[Any] = []
+    arrived = threading.Event()
+    agent._inbox.watch("agent", lambda env: (taken.append(env.message), arrived.set()))
+    try:
+        for who, why in (("client", "a client's"), ("n3", "revoked")):  # a client; a revoked node
+            if who == "n3":
+                ca.revoke(cluster_ca, "n3")
+                agent._checker = Checker(tls(cluster_ca, "n1"))  # as a view would bring the list
+            register(sender, Sealer.of(tls(cluster_ca, who)))
+            out = Outbox(sender, "shardline/node/n1/agent", sealed=True)
+            out.wait_matched(30)
+            dropped = agent._inbox.dropped
+            out.send(m.StopGeneration(instance=f"from-{who}", term=1))
+            deadline = time.monotonic() + 30
+            while agent._inbox.dropped == dropped and time.monotonic() < deadline:
+                arrived.wait(0.05)  # a poll period inside a loop with a deadline
+            assert agent._inbox.dropped == dropped + 1 and why in agent._inbox.last_drop, (
+                agent._inbox.last_drop
+            )
+            out.close()
+        register(sender, Sealer.of(tls(cluster_ca, "n2")))  # any node may be the master
+        out = Outbox(sender, "shardline/node/n1/agent", sealed=True)
+        out.wait_matched(30)
+        out.send(m.StopGeneration(instance="from-n2", term=1))
+        assert arrived.wait(30) and [x.instance for x in taken] == ["from-n2"]
+        out.close()
+    finally:
+        register(sender, None)
+        agent.close()
+        sender.close()
+        server.close()

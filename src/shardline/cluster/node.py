@@ -44,6 +44,7 @@ from shardline.node.agent import NodeAgent
 from shardline.trust.credentials import Credentials
 from shardline.trust.refusals import refuse
 from shardline.trust.seal import Checker, Sealer, certificate_name
+from shardline.trust.seal import register as register_sealer
 
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
@@ -147,6 +148,7 @@ class Node:
         if self.config.worker:  # before the first report: every model it lists has its digests recorded
             record_imports(self.models_root)
         self.session = s = open_session([self.endpoint], list(self.config.peers), self.link)
+        register_sealer(s, self._sealer)  # the master's commands to node agents carry this node's seal
         if self.config.api is not None:  # first: a port in use fails the start before anything runs
             try:
                 self.api = self._start_api(s, self.config.api)
@@ -240,6 +242,7 @@ class Node:
             for sub in self._subs:
                 sub.undeclare()
             assert self.session is not None
+            register_sealer(self.session, None)
             self.session.close()
         except Exception:
             pass

@@ -233,7 +233,7 @@ class InstanceController:
 
     def _agent(self, key: str) -> Outbox:
         if key not in self._agents:
-            self._agents[key] = Outbox(self._session, key)
+            self._agents[key] = Outbox(self._session, key, sealed=True)  # agents check who commands
         return self._agents[key]
 
     def _on_failure(self, why: str, now: float) -> None:

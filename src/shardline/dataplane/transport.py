@@ -21,6 +21,7 @@ import zenoh
 from pydantic import TypeAdapter
 
 from shardline.dataplane import frame
+from shardline.trust import seal
 from shardline.trust.credentials import Credentials
 
 log = logging.getLogger("shardline.transport")
@@ -148,8 +149,11 @@ class Outbox:
         generation: int = 0,
         on_lost: Callable[[], None] | None = None,
         lost_grace_s: float = 0.5,
+        sealed: bool = False,
     ) -> None:
-        """on_lost: called (on its own thread) when a receiver that was there is gone for lost_grace_s."""
+        """on_lost: called (on its own thread) when a receiver that was there is gone for lost_grace_s.
+        sealed: every frame carries the seal of the node that owns the session (trust/seal.py), if any."""
+        self._sealer = seal.sealer_of(session) if sealed else None
         self._on_lost = on_lost
         self._lost_grace_s = lost_grace_s
         self._matched = threading.Event()
@@ -186,7 +190,8 @@ class Outbox:
 
     def send(self, message: Any, tensor: Any = None) -> None:
         try:
-            self._pub.put(frame.encode(message, tensor, self.generation))
+            data = frame.encode(message, tensor, self.generation)
+            self._pub.put(data, attachment=self._sealer.seal(data) if self._sealer is not None else None)
         except zenoh.ZError as exc:
             raise TransportError(f"send on {self.key} failed: {exc}") from exc
 
@@ -256,7 +261,15 @@ class Inbox:
         if n <= 5 or n % 100 == 0:  # say it, without letting a flood fill the log
             log.warning("%s dropped message %d: %s", self._name, n, why)
 
-    def subscribe(self, key: str, adapter: TypeAdapter, source: str) -> None:
+    def subscribe(
+        self,
+        key: str,
+        adapter: TypeAdapter,
+        source: str,
+        check: Callable[[bytes, bytes | None], str | None] | None = None,
+    ) -> None:
+        """check(frame, attachment): why a frame is refused before it is decoded (None: taken)."""
+
         def on_sample(sample: zenoh.Sample) -> None:
             received = time.monotonic()
             try:
@@ -264,6 +277,10 @@ class Inbox:
                 generation = frame.generation_of(data)
                 if self._generation is not None and generation != self._generation:
                     self.drop(f"frame of generation {generation} on {sample.key_expr}")
+                    return
+                attachment = sample.attachment.to_bytes() if sample.attachment is not None else None
+                if check is not None and (why := check(data, attachment)) is not None:
+                    self.drop(f"frame on {sample.key_expr} refused: {why}")
                     return
                 message, tensor = frame.decode(data, adapter)
             except Exception as exc:  # never obeyed, never fatal: a real loss is caught by a deadline

@@ -29,6 +29,7 @@ from shardline.supervisor.diagnostics import Diagnostic
 from shardline.supervisor.logs import RotatingLog, pump_stream
 from shardline.trust.credentials import Credentials
 from shardline.trust.refusals import refuse
+from shardline.trust.seal import Checker
 
 log = logging.getLogger("shardline.agent")
 TAIL_LINES = 5
@@ -87,7 +88,11 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._inbox = Inbox(session, name="agent")
-        self._inbox.subscribe(agent_key, m.AGENT, "agent")
+        # Commands come from a node (the master): a client's certificate, or none, commands nothing.
+        self._checker = Checker(credentials) if credentials is not None else None
+        self._inbox.subscribe(
+            agent_key, m.AGENT, "agent", self._unsealed if self._checker is not None else None
+        )
         self._reports: dict[tuple[str, str], Outbox] = {}  # (namespace, instance) -> reports outbox
         self._thread = threading.Thread(target=self._serve, daemon=True, name="node-agent")
 
@@ -130,6 +135,13 @@ class NodeAgent:
             outbox.send(message)
         except Exception as exc:
             log.warning("could not report %s: %s", type(message).__name__, exc)
+
+    def _unsealed(self, data: bytes, attachment: bytes | None) -> str | None:
+        """Why a command's seal does not show a node sent it (trust/seal.py); None when it does."""
+        assert self._checker is not None
+        if (why := self._checker.check(None, data, attachment)) is not None:
+            refuse("agent command", "seal", why)
+        return why
 
     def _unauthorised(self, spec: m.RunnerSpec) -> str | None:
         """Why no master may command this StartRunner, whatever its term; None when it may."""

@@ -40,6 +40,23 @@ MAX_SEAL = 8192  # a seal is a certificate and a signature (about 700 bytes): mo
 _CACHE = 64  # certificates checked against the CA, by their bytes
 
 
+# Sessions whose sealed outboxes (commands to node agents) seal with a node's credentials: registered by
+# the node for its session's life. By id: zenoh sessions take no weak references.
+_SEALERS: dict[int, Sealer] = {}
+
+
+def register(session: object, sealer: Sealer | None) -> None:
+    """Seal what sealed outboxes of `session` send with `sealer` (None: forget the session)."""
+    if sealer is None:
+        _SEALERS.pop(id(session), None)
+    else:
+        _SEALERS[id(session)] = sealer
+
+
+def sealer_of(session: object) -> Sealer | None:
+    return _SEALERS.get(id(session))
+
+
 def certificate_name(tls_dir: Path) -> str:
     """The node name in a TLS folder's certificate: a TLS node's id (what its seals are checked against)."""
     try:
@@ -105,8 +122,9 @@ class Checker:
         """Whether this cluster seals its messages at all (a key or TLS)."""
         return self.key is not None or self.ca is not None
 
-    def check(self, speaker: str, data: bytes, attachment: bytes | None) -> str | None:
-        """Why the message `data`, said to be `speaker`'s, is refused; None when its seal holds."""
+    def check(self, speaker: str | None, data: bytes, attachment: bytes | None) -> str | None:
+        """Why the message `data`, said to be `speaker`'s (None: any node's), is refused; None when its seal
+        holds."""
         if not self.sealed:
             return None
         if attachment is None:
@@ -127,7 +145,7 @@ class Checker:
         except (ValueError, TypeError) as exc:
             return f"a malformed seal ({str(exc)[:80]})"
 
-    def _check_cert(self, speaker: str, data: bytes, seal: dict) -> str | None:
+    def _check_cert(self, speaker: str | None, data: bytes, seal: dict) -> str | None:
         der = base64.b64decode(seal.get("cert", ""), validate=True)
         sig = base64.b64decode(seal.get("sig", ""), validate=True)
         cert = self._issued(der)
@@ -140,7 +158,7 @@ class Checker:
             revoked = self.revoked
         if why := roles.refusal(cert, roles.NODE, revoked):
             return why
-        if (name := roles.name_of(cert)) != speaker:
+        if (name := roles.name_of(cert)) != speaker and speaker is not None:
             return f"the certificate of {name!r} speaking as {speaker!r}"
         try:
             cert.public_key().verify(sig, _DOMAIN + data, ec.ECDSA(hashes.SHA256()))  # type: ignore[call-arg,union-attr]

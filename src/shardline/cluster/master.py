@@ -34,6 +34,7 @@ from shardline.controller.state import ControllerConfig, Failure, stage_phase
 from shardline.dataplane.transport import Keys
 
 log = logging.getLogger("shardline.master")
+CONTROLLERS_END_S = 12.0  # a controller's end joins its thread for up to 10 s; they end in parallel
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,12 @@ class Master:
         self._closed = False
         self._queryable = session.declare_queryable(self._keys.query, self._on_query)
 
-    def close(self, stop_runners: bool = True) -> None:
-        """Stop the role. stop_runners=False (deposed): the instances live on under the new master."""
+    def close(self, stop_runners: bool = True, wait: bool = True) -> None:
+        """Stop the role. stop_runners=False (deposed): the instances live on under the new master.
+
+        Each controller's end joins its thread (up to 10 s): they end in parallel, each on a thread of its
+        own. wait=False returns at once (a deposed master, on the node's loop, which must go on); wait=True
+        returns once all have ended or CONTROLLERS_END_S has passed, whichever is first."""
         self._closed = True
         try:
             self._queryable.undeclare()
@@ -86,8 +91,20 @@ class Master:
             q.drop()
         self._pending.clear()
         controllers, self.controllers = list(self.controllers.values()), {}
-        for c in controllers:
-            c.stop(grace_s=2.0) if stop_runners else c.detach()
+        ends = [
+            threading.Thread(
+                target=(lambda c=c: c.stop(grace_s=2.0)) if stop_runners else c.detach,
+                daemon=True,
+                name="instance-end",
+            )
+            for c in controllers
+        ]
+        for t in ends:
+            t.start()
+        if wait:
+            deadline = time.monotonic() + CONTROLLERS_END_S
+            for t in ends:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # ---- from other threads: post only ---------------------------------------------------------------------
 

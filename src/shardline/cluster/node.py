@@ -363,7 +363,7 @@ class Node:
             log.info("%s %s", e.kind, e.node)
         if deposed and self.master is not None:
             log.warning("node %s is no longer master (term %d)", self.node_id, self.state.term)
-            self.master.close(stop_runners=False)
+            self.master.close(stop_runners=False, wait=False)  # its controllers end off this loop
             self.master = None
         if term is not None:
             say = log.info if term == 1 else log.warning  # a change of master is news; the first is not

@@ -217,7 +217,11 @@ class NodeAgent:
             self._spawn(spec.model_copy(update={"model_dir": str(model_dir)}), cmd.threads, issued)
 
     def _rejoin(self, spec: m.RunnerSpec, issued: tuple[int, int]) -> bool:
-        """Hand the new generation's stage to a live runner of an older one holding the same layers."""
+        """Hand the new generation's stage to a live runner of an older one holding the same layers.
+
+        The runner is listed under the new generation before it is told, and the lock is not held while
+        waiting for it to be reachable (up to 2 s): the node's loop reads held() on every report, and exits
+        and reports take the lock too. Listed as the new generation, it is spared by fencing meanwhile."""
         with self._lock:
             found = [
                 (k, r)
@@ -231,24 +235,32 @@ class NodeAgent:
             if not found:
                 return False
             key, runner = max(found, key=lambda kr: kr[0][1])
-            old = runner.spec
+            old, old_issued = runner.spec, runner.issued
             new = spec.model_copy(
                 update={"model_dir": old.model_dir, "runner_id": old.runner_id, "parent_pid": os.getpid()}
             )
+            if self._fence(new) is not None:
+                return False
+            new_key = (new.instance, new.generation, new.stage)
+            del self._runners[key]
+            runner.spec, runner.issued = new, issued  # its exit is now the new generation's
+            self._runners[new_key] = runner
+        try:
+            to_runner = Outbox(self.session, Keys(old.instance, 0, old.namespace).runner(old.runner_id))
             try:
-                to_runner = Outbox(self.session, Keys(old.instance, 0, old.namespace).runner(old.runner_id))
                 to_runner.generation = old.generation  # the runner takes only its own generation's frames
                 to_runner.wait_matched(2.0)
                 to_runner.send(m.Rejoin(spec=new))
+            finally:
                 to_runner.close()
-            except Exception as exc:
-                log.warning("runner %d could not be reused: %s", runner.proc.pid, exc)
-                return False
-            if self._fence(new) is not None:
-                return False
-            del self._runners[key]
-            runner.spec, runner.issued = new, issued  # its exit is now the new generation's
-            self._runners[(new.instance, new.generation, new.stage)] = runner
+        except Exception as exc:
+            log.warning("runner %d could not be reused: %s", runner.proc.pid, exc)
+            with self._lock:  # back as it was, unless it exited meanwhile (its exit is reported already)
+                if self._runners.get(new_key) is runner:
+                    del self._runners[new_key]
+                    runner.spec, runner.issued = old, old_issued
+                    self._runners[key] = runner
+            return False
         log.info("stage %d of %s reuses runner %d", new.stage, new.instance, runner.proc.pid)
         self._report(new, m.RunnerStarted(generation=new.generation, stage=new.stage, pid=runner.proc.pid))
         return True
@@ -293,9 +305,11 @@ class NodeAgent:
                 self._report(spec, stopped)
         runner.pump.join(timeout=5)  # its last lines, for the tail
         runner.log.close()
-        spec = runner.spec  # read now: a reused runner belongs to its newest generation
-        with self._lock:
-            self._runners.pop((spec.instance, spec.generation, spec.stage), None)
+        with self._lock:  # read under the lock: a reused runner belongs to its newest generation
+            spec = runner.spec
+            key = (spec.instance, spec.generation, spec.stage)
+            if self._runners.get(key) is runner:
+                del self._runners[key]
         exited = m.RunnerExited(
             generation=spec.generation,
             stage=spec.stage,

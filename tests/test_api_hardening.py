@@ -1,6 +1,7 @@
 """The HTTP entrance against hostile callers, over real HTTP to real nodes (in this process, serving no
 model): the Host check (DNS rebinding), the body limit for chunked bodies, 500s that say nothing of their
-cause, bounded stop sequences on every API, and /health's details only for who may see them.
+cause, bounded stop sequences, logit_bias, n, tools and schemas on every API (api/limits.py), and /health's
+details only for who may see them.
 
 Two nodes serve the module, neither placing anything: `open_node` as a node runs by default (no key, on
 loopback), `keyed_node` with an API key and one extra allowed host name.
@@ -21,6 +22,7 @@ import pytest
 
 from shardline.api.body_limit import MAX_BODY_BYTES
 from shardline.api.hosts import trusted_hosts
+from shardline.api.limits import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_SCHEMA_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS
 from shardline.api.service import ApiSettings
 from shardline.api.stops import MAX_STOP_CHARS, MAX_STOPS
 from shardline.cli import build_parser
@@ -230,6 +232,91 @@ def test_stop_sequences_at_the_bounds_are_accepted(open_node):
     body: dict[str, Any] = {"model": MODEL, "messages": CHAT, "stop": stops}
     r = httpx.post(open_node + "/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # past the stop check
+
+
+# ---- logit_bias, n, tools and schemas ----------------------------------------------------------------------
+
+
+def _openai_400(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(url + path, json={"model": MODEL, **body}, timeout=10)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+CANONICAL_BIAS = {str(t): 1.0 for t in range(MAX_LOGIT_BIAS)}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("bias", "says"),
+    [
+        ({**CANONICAL_BIAS, str(MAX_LOGIT_BIAS): 1.0}, "at most 300"),
+        ({"1": 5.0, "01": -5.0}, "name the same token"),
+        ({"01": 5.0}, "canonical"),
+        ({"+1": 5.0}, "canonical"),
+        ({" 1": 5.0}, "canonical"),
+        ({"1_0": 5.0}, "canonical"),
+    ],
+    ids=["301-tokens", "01-and-1", "leading-zero", "plus", "space", "underscore"],
+)
+def test_logit_bias_is_bounded_and_canonical_with_a_400_naming_it(open_node, bias, says):
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "Hi"})):
+        error = _openai_400(open_node, path, {**body, "logit_bias": bias})
+        assert error["param"] == "logit_bias" and says in error["message"], error
+
+
+@pytest.mark.timeout(60)
+def test_n_is_bounded_with_a_400_naming_it_and_the_largest_settings_pass(open_node):
+    error = _openai_400(open_node, "/v1/chat/completions", {"messages": CHAT, "n": MAX_CHOICES + 1})
+    assert error["param"] == "n" and str(MAX_CHOICES) in error["message"]
+    body = {"model": MODEL, "messages": CHAT, "logit_bias": CANONICAL_BIAS, "n": MAX_CHOICES}
+    r = httpx.post(open_node + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # past every bound
+
+
+def _tool(i: int, description: str = "") -> dict[str, Any]:
+    schema = {"type": "object", "properties": {"x": {"type": "string"}}}
+    return {"name": f"t{i}", "description": description, "input_schema": schema}
+
+
+TOO_MANY_TOOLS = [_tool(i) for i in range(MAX_TOOLS + 1)]
+TOO_LARGE_TOOLS = [_tool(0, "d" * MAX_TOOLS_CHARS)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tools", [TOO_MANY_TOOLS, TOO_LARGE_TOOLS], ids=["too-many", "too-large"])
+def test_tools_are_bounded_on_every_api_with_a_400_naming_them(open_node, tools):
+    as_openai = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]},
+        }
+        for t in tools
+    ]
+    error = _openai_400(open_node, "/v1/chat/completions", {"messages": CHAT, "tools": as_openai})
+    assert error["param"] == "tools"
+    body = {"model": MODEL, "max_tokens": 4, "messages": CHAT, "tools": tools}
+    r = httpx.post(open_node + "/v1/messages", json=body, timeout=10)
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"], r.text
+    r = httpx.post(
+        open_node + "/api/chat", json={"model": MODEL, "messages": CHAT, "tools": as_openai}, timeout=10
+    )
+    assert r.status_code == 400 and "tools" in r.json()["error"], r.text
+
+
+@pytest.mark.timeout(60)
+def test_a_schema_past_the_bound_is_a_400_naming_its_parameter(open_node):
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_CHARS // 20)},
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+    error = _openai_400(open_node, "/v1/chat/completions", {"messages": CHAT, "response_format": fmt})
+    assert error["param"] == "response_format"
+    r = httpx.post(
+        open_node + "/api/chat", json={"model": MODEL, "messages": CHAT, "format": schema}, timeout=10
+    )
+    assert r.status_code == 400 and "format" in r.json()["error"], r.text
 
 
 # ---- /health -----------------------------------------------------------------------------------------------

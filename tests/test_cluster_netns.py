@@ -25,12 +25,12 @@ import pytest
 from conftest import assert_no_runner_left, random_prompt
 
 from shardline.testing.cluster import FAST_RUNNERS
-from shardline.testing.netns import Host, NetLab, cleanup_stale, list_netns, netns_available
+from shardline.testing.netns import Host, NetLab, cleanup_stale, list_netns, netns_skip_reason
 from shardline.testing.reference import Reference
 from shardline.trust import ca
 from shardline.trust.credentials import TLS_ENV
 
-pytestmark = pytest.mark.skipif(netns_available() is not None, reason=f"netns: {netns_available()}")
+pytestmark = pytest.mark.skipif(netns_skip_reason() is not None, reason=f"netns: {netns_skip_reason()}")
 
 PY = sys.executable
 PORT = 7447

@@ -17,9 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
-from shardline.testing.netns import NETNS_DIR, NetLab, cleanup_stale, list_netns, netns_available, open_lab
+from shardline.testing.netns import NETNS_DIR, NetLab, cleanup_stale, list_netns, netns_skip_reason, open_lab
 
-pytestmark = pytest.mark.skipif(netns_available() is not None, reason=f"netns: {netns_available()}")
+pytestmark = pytest.mark.skipif(netns_skip_reason() is not None, reason=f"netns: {netns_skip_reason()}")
 
 PY = sys.executable
 

@@ -21,6 +21,7 @@ import shardline.cluster.messages as cluster_messages
 import shardline.dataplane.messages as messages
 import shardline.supervisor.diagnostics as diagnostics
 from shardline.cluster.placement import ModelFootprint
+from shardline.compute.sampling import MAX_BIAS, SamplingParams
 
 ADAPTERS: dict[str, TypeAdapter[Any]] = {
     f"{module.__name__.rsplit('.', 1)[-1]}.{name}": value
@@ -140,6 +141,21 @@ def strategy_for(tp: Any, metadata: tuple[Any, ...] = ()) -> st.SearchStrategy[A
 def model_strategy(model: type[BaseModel]) -> st.SearchStrategy[BaseModel]:
     fields = {name: strategy_for(f.annotation, tuple(f.metadata)) for name, f in model.model_fields.items()}
     return st.fixed_dictionaries(fields).map(lambda kw: model(**kw))
+
+
+def _sampling() -> st.SearchStrategy[SamplingParams]:
+    """Settings whose logit_bias names each token once (the model refuses a token named twice)."""
+    fields = {
+        name: strategy_for(f.annotation, tuple(f.metadata))
+        for name, f in SamplingParams.model_fields.items()
+        if name != "logit_bias"
+    }
+    pair = st.tuples(st.integers(0, 2**31), st.floats(-MAX_BIAS, MAX_BIAS))
+    bias = st.lists(pair, max_size=3, unique_by=lambda p: p[0]).map(tuple)
+    return st.fixed_dictionaries({**fields, "logit_bias": bias}).map(lambda kw: SamplingParams(**kw))
+
+
+CONSISTENT[SamplingParams] = st.deferred(_sampling)
 
 
 @pytest.mark.timeout(60)

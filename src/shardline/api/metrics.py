@@ -6,6 +6,7 @@ fronts when scraped, so they are never stale, and so are the prefix cache's figu
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -137,6 +138,20 @@ class Metrics:
         r.register(_Gauges(gauges, pending))
         r.register(_PrefixCache(figures))
         r.register(_Refusals())
+        self._lock = threading.Lock()
+        self._stages: dict[str, set[str]] = {}  # instance -> stages with a step series
+
+    def observe_step(self, instance: str, stage: int, seconds: float) -> None:
+        with self._lock:
+            self._stages.setdefault(instance, set()).add(str(stage))
+            self.step.labels(instance, str(stage)).observe(seconds)
+
+    def forget_instance(self, instance: str) -> None:
+        """A removed instance's series go: a scrape lists only instances that exist, and a cluster that
+        places and removes instances for months does not grow its metrics without end."""
+        with self._lock:
+            for stage in self._stages.pop(instance, set()):
+                self.step.remove(instance, stage)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -614,6 +614,7 @@ class Service:
                 self._missing.pop(instance, None)
                 self.client.drop_front(instance, f"instance {instance} was removed")
                 self._steps.forget(instance)
+                self.metrics.forget_instance(instance)
         for rec in view.instances:
             if rec.phase != "failed" and rec.instance not in self.client.fronts():
                 try:
@@ -662,7 +663,7 @@ class Service:
             return
         parts = str(sample.key_expr).split("/")  # {ns}/i/{instance}/g{gen}/status/{stage}
         if self._steps.advance(parts[2], msg.stage, msg.steps):
-            self.metrics.step.labels(parts[2], str(msg.stage)).observe(msg.last_step.seconds)
+            self.metrics.observe_step(parts[2], msg.stage, msg.last_step.seconds)
 
 
 def _offer(q: asyncio.Queue[tuple[str, Any]], item: tuple[str, Any]) -> None:

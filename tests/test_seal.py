@@ -77,7 +77,13 @@ def test_a_client_or_foreign_or_revoked_certificate_cannot_act_as_a_node(
     foreign = Sealer.of(Credentials(None, tmp_path / "other" / "nodes" / "n1")).seal(encode(report("n1")))
     assert "did not issue" in (checker.check("n1", encode(report("n1")), foreign) or "")
     # Revoked: n2's folder predates the list; the master's view carries it, and n2 adopts it (and keeps it).
+    n3_before = encode(report("n3"))
+    assert checker.check("n3", n3_before, Sealer.of(tls(cluster_ca, "n3")).seal(n3_before)) is None
     ca.revoke(cluster_ca, "n3")
+    # A list an operator copies into a running node's folder is read at its next report, no restart.
+    assert checker.crl_der() and "revoked" in (
+        checker.check("n3", n3_before, Sealer.of(tls(cluster_ca, "n3")).seal(n3_before)) or ""
+    )
     master = Checker(tls(cluster_ca, "n1"))
     assert master.crl_der()
     n3 = encode(report("n3"))

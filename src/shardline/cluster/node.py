@@ -221,7 +221,7 @@ class Node:
             return
         self._leaving = True
         try:  # say so first: views show the node leaving while it hands over
-            self._put(self._report_pub, encode(self.report()))
+            self._put(self._report_pub, encode(self.report()), self._checker.crl_der())
         except Exception:
             pass
         self._closed.set()
@@ -282,8 +282,8 @@ class Node:
         if isinstance(msg, cm.NodeReport) and node_from_key(str(sample.key_expr)) != msg.node_id:
             refuse("node_report", "key", f"{msg.node_id!r} reported on {sample.key_expr}")
             return
-        if isinstance(msg, cm.ClusterView) and sample.attachment is not None:
-            self._checker.adopt_crl(sample.attachment.to_bytes())  # the master carries the CA's newest list
+        if sample.attachment is not None:
+            self._checker.adopt_crl(sample.attachment.to_bytes())  # peers carry the CA's newest list
         if isinstance(msg, cm.NodeReport):
             self._enqueue(cs.ReportIn(msg, time.monotonic()))
         else:
@@ -550,7 +550,7 @@ class Node:
         while not self._closed.wait(self.config.report_s):  # the report period, not a synchronisation
             try:
                 r = self.report()
-                self._put(self._report_pub, encode(r))
+                self._put(self._report_pub, encode(r), self._checker.crl_der())
                 self._enqueue(cs.ReportIn(r, time.monotonic()))
             except Exception:
                 log.exception("report failed")

@@ -8,7 +8,9 @@ The seal binds the message to a speaker:
 - TLS clusters: an ECDSA signature over the frame by the node's certificate key, with the certificate. The
   receiver checks that the CA issued it, that it is a node's (a client's certificate never speaks as a
   node), not revoked, and named as the node the message speaks for (a report's node_id, a view's master, a
-  claim's candidate, a vote's voter). The CA's revocation list reaches every node with the master's views.
+  claim's candidate, a vote's voter). The CA's revocation list (signed by the CA, so anyone may carry it)
+  rides every report and view: copied into any one node's TLS folder, it reaches every node within a
+  report period, and each keeps it in its own folder.
 - Shared-key clusters: an HMAC over the frame under the key. It proves a key holder, not which one: every
   key holder is a full node, and may speak as any node. Use TLS where that matters.
 - Open clusters: no seal; anyone who reaches a node is a node (hence `--insecure` off loopback).
@@ -112,8 +114,10 @@ class Checker:
         self.ca: x509.Certificate | None = None
         self.crl: x509.CertificateRevocationList | None = None
         self.revoked: frozenset[int] = frozenset()
+        self._crl_file: tuple[int, int] | None = None  # (mtime, size) of the folder's list when last read
         if self.tls_dir is not None:
             self.ca = x509.load_pem_x509_certificate((self.tls_dir / CA_FILE).read_bytes())
+            self._crl_file = _stamp(self.tls_dir / roles.CRL_FILE)
             self.crl = roles.load_crl(self.tls_dir)
             self.revoked = roles.serials(self.crl)
 
@@ -183,10 +187,25 @@ class Checker:
         return cert
 
     def crl_der(self) -> bytes:
-        """This node's revocation list (DER; empty: none), for the views it publishes as master."""
+        """This node's revocation list (DER; empty: none), carried by each report and view it publishes so
+        that every node soon holds the newest. A list an operator copied into the TLS folder is read here
+        (the node's report period): no restart needed."""
+        self._refresh()
         with self._lock:
             crl = self.crl
         return b"" if crl is None else crl.public_bytes(serialization.Encoding.DER)
+
+    def _refresh(self) -> None:
+        if self.tls_dir is None or (stamp := _stamp(self.tls_dir / roles.CRL_FILE)) == self._crl_file:
+            return
+        self._crl_file = stamp
+        try:
+            crl = roles.load_crl(self.tls_dir)
+        except CredentialsError:
+            return  # not the CA's: the list held stays (the start refused such a file already)
+        with self._lock:
+            if crl is not None and _number(crl) > _number(self.crl):
+                self.crl, self.revoked = crl, roles.serials(crl)
 
     def adopt_crl(self, attachment: bytes | None) -> bool:
         """Take the revocation list a (checked) view carries when the CA signed it and it is newer than this
@@ -210,10 +229,19 @@ class Checker:
         tmp = path.with_suffix(".tmp")
         try:
             tmp.write_bytes(crl.public_bytes(serialization.Encoding.PEM))
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # runners started from now on check their group links against it
+            self._crl_file = _stamp(path)
         except OSError:
-            pass  # held in memory; a restart reads the folder's older list until the next view
+            pass  # held in memory; a restart reads the folder's older list until a peer's next report
         return True
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
 
 
 def _number(crl: x509.CertificateRevocationList | None) -> int:

@@ -47,7 +47,7 @@ class LocalModel(Wire):
     # The model digest (cluster/weights/manifest.py): of its import record, or the one a stage was checked
     # against; "" while a whole model is still being hashed. Short: the per-file digests stay on the node.
     digest: str = ""
-    imported_at: float = 0.0  # a whole model: when its digests were recorded (the earliest import is truth)
+    imported_at: float = 0.0  # a whole model: when its digests were recorded (for people: it decides nothing)
 
 
 class RunnerInfo(Wire):
@@ -109,7 +109,7 @@ class InstanceRecord(Wire):
     context_length: int = 0
     recoveries: int = 0
     created_at: float = 0.0  # wall clock
-    digest: str = ""  # the model digest every copy of its stages must have (the first importer's)
+    digest: str = ""  # the model digest every copy of its stages must have (state.py: expected_digest)
     weight_format: str = ""  # how its weights are stored (ModelFootprint.weight_format), for people
     layout: str = ""  # pipeline or tensor-parallel groups, and why (cluster/parallelism.py), for people
 

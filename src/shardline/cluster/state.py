@@ -334,7 +334,7 @@ def expected_digest(state: ClusterState, model: str) -> str | None:
 
     A self-reported import time never decides: any key holder could claim the earliest. Reports are
     authenticated where they are received (a key's HMAC, or a node certificate whose name is the report's
-    node id: trust/reports.py), so a holder speaks for its own copy only; a peer that lies about its copy
+    node id: trust/seal.py), so a holder speaks for its own copy only; a peer that lies about its copy
     can at worst block a placement that needs a peer's word, never choose the weights every node loads. An
     instance keeps the digest it was placed with (its record) whatever holders join later."""
     copies = _whole_copies(state, model)

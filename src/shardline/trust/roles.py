@@ -4,7 +4,7 @@ the cluster revoked it.
 The role is the certificate's organizational unit (OU=node or OU=client), set by `shardline cluster init` and
 `cluster add-node [--client]`; a node's name is its common name (CN). Revocation is a CRL signed by the CA
 (`shardline cluster revoke`), kept as crl.pem in each TLS folder: a CRL needs no trust in whoever carries it,
-so any node may pass it on (trust/revocation.py decides which of two is newer).
+so every node passes it on with its reports (trust/seal.py keeps the newest by its CRL number).
 """
 
 from __future__ import annotations

@@ -245,6 +245,22 @@ def test_a_front_takes_its_own_events_and_never_hears_anothers() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_what_a_front_held_before_a_generation_served_is_sent_as_accepted() -> None:
+    with session_keys("held") as (session, keys):
+        control = Inbox(session, 1, name="leader")
+        control.subscribe(keys.at(1).control, m.CONTROL, "control")
+        with serving_front(session, keys, "f1") as front:
+            held = front.submit([1, 2, 3], max_tokens=2)  # no generation serves yet: it waits here
+            front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+            assert front.serving.wait(10)
+            fresh = front.submit([4, 5, 6], max_tokens=2)
+            subs = [wait_for(control.get_nowait, 10, "a Submit").message for _ in range(2)]
+            flags = {s.request.request_id: s.resubmit for s in subs}
+            assert flags == {held.request_id: True, fresh.request_id: False}
+        control.close()
+
+
+@pytest.mark.timeout(30)
 def test_a_request_no_instance_serves_ends_at_its_deadline() -> None:
     with session_keys("deadline") as (session, keys):  # noqa: SIM117 (the front needs its session)
         with serving_front(session, keys, "f1", wait_floor_s=0.5) as front:  # no generation ever serves

@@ -135,8 +135,10 @@ def test_admission_reserves_kv_as_used_and_preempts_rather_than_refuses(tiny_mod
     handles = [engine.submit(p, max_tokens=400) for p in long_prompts]
     assert engine.front.kv_bytes_per_token == per_token
     handles += [engine.submit(p, max_tokens=10) for p in short_prompts]
-    # What a request holds is what it has used: every one runs at first; the newest go back to the queue
-    # when the long ones outgrow the budget, and recompute their tokens exactly when admitted again.
+    # What a request holds is what it has used: many run at once (reserving max_tokens, two would), the
+    # newest go back to the queue when the long ones outgrow the budget, and recompute their tokens exactly
+    # when admitted again.
+    wait_for(lambda: engine.front.running() >= 8, 60, "more requests running than two at their end")
     assert [h.tokens(timeout=200) for h in handles] == expected
     beats = engine.fresh_heartbeats(10)
     peak = sum(b.kv_peak_bytes for b in beats)

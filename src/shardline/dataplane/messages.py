@@ -182,8 +182,8 @@ class Submit(Wire):
     front: str  # the sending front and its message count: the leader's beat says what it has seen
     seq: int
     request: RequestSpec
-    # A request some earlier generation had (the front resends it after a failure): accepted already, so
-    # never refused for a full waiting queue; a recovery must not lose what every front held.
+    # A request the front accepted before this generation served (resent after a failure, or held while no
+    # generation served): never refused for a full waiting queue, so a recovery loses nothing any front held.
     resubmit: bool = False
 
 

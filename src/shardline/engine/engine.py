@@ -47,8 +47,9 @@ class EngineConfig(InstanceSettings):
     # Runners per stage: a tensor-parallel group (compute/tensor_parallel.py) of this size, 1: none.
     tp: int = Field(1, ge=1)
     window: int = Field(0, ge=0)
-    # KV bytes the leader may reserve for admitted requests (0: half the memory available at start); requests
-    # beyond it wait, up to max_queue of them, and one more is refused with OverloadError.
+    # KV bytes the leader may reserve for running requests (0: half the memory available at start), as they
+    # use it: requests whose prompts do not fit now wait, up to max_queue of them (one more is refused with
+    # OverloadError), and when running ones outgrow it the newest goes back to the queue.
     kv_budget_bytes: int = Field(0, ge=0)
     score_budget: int = Field(0, ge=0)
     # Prompts may be this long (0: the model's trained context). Past it the model computes but its output

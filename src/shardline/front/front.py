@@ -285,12 +285,16 @@ class Front:
 
     # ---- under the lock ------------------------------------------------------------------------------------
 
-    def _claim(self, handles: list[RequestHandle]) -> tuple[Outbox, int, list[RequestHandle]] | None:
-        """Mark requests as sent to the serving generation (once each); the caller sends them unlocked."""
+    def _claim(
+        self, handles: list[RequestHandle], held: bool = False
+    ) -> tuple[Outbox, int, list[RequestHandle]] | None:
+        """Mark requests as sent to the serving generation (once each); the caller sends them unlocked.
+        held: requests this front accepted before the generation served (waiting for it, or resubmitted
+        after a failure): the leader takes them whatever its queue holds (Submit.resubmit)."""
         assert self.generation is not None and self._control is not None
         mine = [h for h in handles if not h.done and h.state.sent_generation != self.generation]
         for h in mine:
-            h.state.resent = h.state.sent_generation is not None
+            h.state.resent = held
             h.state.sent_generation = self.generation
             h.state.sent_seq = None
             h.state.admitted = False
@@ -401,7 +405,7 @@ class Front:
                         # Every token arrived; only the finish was lost with the old generation.
                         h._finish("length")
                         self.requests.pop(h.request_id, None)
-                target = self._claim(list(self.requests.values()))
+                target = self._claim(list(self.requests.values()), held=True)
                 resent = len(target[2]) if target else 0
             if old is not None:
                 old.close()

@@ -45,7 +45,7 @@ class RequestState:
     sent_generation: int | None = None
     sent_seq: int | None = None
     sent_at: float = 0.0  # monotonic, when its Submit went out
-    resent: bool = False  # its newest Submit resends what an earlier generation had
+    resent: bool = False  # its newest Submit went out when a generation started serving (accepted before)
     admitted: bool = False
     # Its deadlines (monotonic): the first token, and the whole answer; and when a token last arrived.
     first_token_by: float = float("inf")

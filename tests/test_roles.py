@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def free_port() -> int:
 
 def node_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "shardline", "node", "--no-api", *args]
-    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SHARDLINE_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
     return subprocess.run(argv, capture_output=True, text=True, timeout=100, env={**clean, **(env or {})})
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
+from shardline.cluster.client import ClusterClient
 from shardline.cluster.node import Node
 from shardline.cluster.placement import PlacementRequest
 from shardline.dataplane import messages as m
@@ -225,3 +226,24 @@ def test_a_node_agent_obeys_commands_sealed_by_a_node_only(cluster_ca: Path, tmp
         agent.close()
         sender.close()
         server.close()
+
+
+def test_a_client_believes_only_views_sealed_by_their_master(cluster_ca: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"tcp/127.0.0.1:{sock.getsockname()[1]}"
+    session = open_session([endpoint], [])
+    client = ClusterClient([], credentials=tls(cluster_ca, "client"), session=session)
+    try:
+        forged = encode(cm.ClusterView(term=99, master="n3"))
+        client._on_view(
+            sample("shardline/master/view", forged, Sealer.of(tls(cluster_ca, "n2")).seal(forged))
+        )
+        client._on_view(sample("shardline/master/view", forged, None))
+        assert client.view is None
+        view = encode(cm.ClusterView(term=2, master="n1"))
+        client._on_view(sample("shardline/master/view", view, Sealer.of(tls(cluster_ca, "n1")).seal(view)))
+        assert client.view is not None and client.view.master == "n1" and client.view.term == 2
+    finally:
+        client.close()
+        session.close()

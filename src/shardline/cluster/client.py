@@ -25,6 +25,8 @@ from shardline.dataplane.transport import Keys, Link, open_session
 from shardline.errors import EngineError
 from shardline.front.front import Front, ModelLimits
 from shardline.trust.credentials import Credentials
+from shardline.trust.refusals import refuse
+from shardline.trust.seal import Checker
 
 
 class ClusterError(EngineError):
@@ -50,14 +52,21 @@ class ClusterClient:
         self._fronts: dict[str, Front] = {}
         self._listeners: list[Callable[[cm.ClusterView], None]] = []
         self._closed = False
+        # Views are believed only under their master's seal (trust/seal.py), on a keyed or TLS cluster.
+        self._checker = Checker(credentials) if credentials is not None else None
         self._sub = self.session.declare_subscriber(self.keys.view, self._on_view)
 
     def _on_view(self, sample: zenoh.Sample) -> None:
+        data = bytes(sample.payload.to_bytes())
         try:
-            view, _ = decode(bytes(sample.payload.to_bytes()), cm.REPORTS)
+            view, _ = decode(data, cm.REPORTS)
         except Exception:
             return  # not obeyed, never fatal
         if not isinstance(view, cm.ClusterView):
+            return
+        attachment = sample.attachment.to_bytes() if sample.attachment is not None else None
+        if self._checker is not None and (why := self._checker.check(view.master, data, attachment)):
+            refuse("view", "seal", f"from {view.master!r}: {why}")
             return
         with self._cond:
             old = self.view

@@ -203,7 +203,7 @@ class Node:
         from shardline.api.service import Service
         from shardline.cluster.client import ClusterClient
 
-        client = ClusterClient([], self.config.namespace, session=session)
+        client = ClusterClient([], self.config.namespace, self.config.credentials, session=session)
         service = Service(client, self.models_root, settings, self.node_id)
         try:
             server = ApiServer(service).start()

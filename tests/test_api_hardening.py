@@ -9,6 +9,7 @@ loopback), `keyed_node` with an API key and one extra allowed host name.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -388,3 +389,114 @@ def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(open_node):
         readable, _, _ = select.select([sock], [], [], httpx_expiry + 2.0)
         assert not readable, "the node closed an idle connection before the client's pool would"
         assert _get_on(sock, host).startswith(b"HTTP/1.1 200")
+
+
+# ---- the API key, on every route ---------------------------------------------------------------------------
+
+# Answered without the key: a load balancer's probe carries none, and the dashboard's page and files ask for
+# the key themselves (every call they make needs it). Everything else needs the key, new routes included.
+PUBLIC = {"/health", "/", "/ui"}
+
+
+def _calls(nodes: dict[str, Node]) -> list[tuple[str, str]]:
+    """(method, path) of every route the node's app serves, path parameters filled in."""
+    import re
+
+    from starlette.routing import Mount
+
+    from shardline.api.app import build_app
+
+    routes: list[Any] = build_app(nodes["keyed"].api.service).routes
+    try:  # FastAPI 0.165 and later keep included routers lazy: this walks into them
+        from fastapi.routing import iter_route_contexts
+
+        routes = list(iter_route_contexts(routes))
+    except ImportError:
+        pass
+    calls = []
+    for route in routes:
+        path = re.sub(r"\{[^}]+\}", "x", route.path)
+        if isinstance(getattr(route, "original_route", route), Mount):
+            calls.append(("GET", path + "/index.html"))
+            continue
+        calls += [(method, path) for method in sorted(getattr(route, "methods", None) or {"GET"})]
+    return calls
+
+
+def _status(method: str, url: str, headers: dict[str, str]) -> tuple[int, Any]:
+    """The answer's status, and its body when it is a refusal, without reading a body that may stream for
+    ever (/events)."""
+    with httpx.stream(method, url, headers=headers, timeout=10) as r:
+        refused = r.status_code == 401 and method != "HEAD"
+        return r.status_code, json.loads(r.read()) if refused else None
+
+
+@pytest.mark.timeout(120)
+def test_every_route_but_the_public_ones_needs_the_key(nodes, keyed_node):
+    from shardline.api.errors import flavor_of
+
+    calls = _calls(nodes)
+    # Those the review found untested, so that an empty walk cannot pass.
+    named = {("GET", "/metrics"), ("GET", "/events"), ("DELETE", "/instances/x"), ("GET", "/openapi.json")}
+    assert named <= set(calls)
+    for method, path in calls:
+        public = path in PUBLIC or path.startswith("/ui/")
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+            status, body = _status(method, keyed_node + path, headers)
+            if public:
+                assert status != 401, (method, path)
+                continue
+            assert status == 401, (method, path, headers, status)
+            if body is None:
+                continue  # HEAD: no body
+            if flavor_of(path) == "anthropic":
+                assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+            elif flavor_of(path) == "ollama":
+                assert set(body) == {"error"} and body["error"]
+            else:
+                assert body["error"]["type"] == "authentication_error", (path, body)
+        for headers in ({"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
+            assert _status(method, keyed_node + path, headers)[0] != 401, (method, path)
+
+
+# ---- bodies that are not labelled JSON ---------------------------------------------------------------------
+
+BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "/v1/chat/completions": ("openai", {"model": MODEL, "messages": CHAT, "max_tokens": 2}),
+    "/v1/completions": ("openai", {"model": MODEL, "prompt": "x", "max_tokens": 2}),
+    "/v1/messages": ("anthropic", {"model": MODEL, "messages": CHAT, "max_tokens": 2}),
+    "/instances": ("openai", {"model": MODEL}),
+    "/api/chat": ("ollama", {"model": MODEL, "messages": CHAT, "stream": False}),
+    "/api/generate": ("ollama", {"model": MODEL, "prompt": "x", "stream": False}),
+}
+
+
+def _error_message(flavor: str, r: httpx.Response) -> str:
+    body = r.json()
+    if flavor == "anthropic":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        return body["error"]["message"]
+    if flavor == "ollama":
+        assert set(body) == {"error"} and isinstance(body["error"], str)
+        return body["error"]
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]["message"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", sorted(BODIES))
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_without_a_json_content_type_gets_the_apis_own_error_or_is_read_as_json(
+    open_node, path, content_type
+):
+    flavor, ok = BODIES[path]
+    headers = {"Content-Type": content_type} if content_type else {}
+    for content in (json.dumps(ok).encode(), b"{not json"):
+        r = httpx.post(open_node + path, content=content, headers=headers, timeout=10)
+        message = _error_message(flavor, r)
+        if flavor == "ollama":  # read as JSON whatever the label, as Ollama does (curl -d)
+            assert r.status_code == (404 if content.startswith(b'{"') else 400), r.text
+            continue
+        # OpenAI's and Anthropic's APIs take JSON only: the error says what to send.
+        assert r.status_code == 400, r.text
+        assert "Content-Type: application/json" in message and (content_type or "no Content-Type") in message

@@ -19,7 +19,7 @@ from shardline.api.body_limit import BodyLimit
 from shardline.api.errors import ApiError, body, flavor_of, headers
 from shardline.api.hosts import HostCheck, trusted_hosts
 from shardline.api.keys import carries_key
-from shardline.api.ollama_entrance import OllamaEntrance
+from shardline.api.ollama_entrance import OllamaEntrance, is_json_type
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
 
@@ -32,11 +32,18 @@ def _error(request: Request, error: ApiError) -> JSONResponse:
     return JSONResponse(body(error, flavor_of(request.url.path)), error.status, headers=headers(error))
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(
+    exc: RequestValidationError, content_type: str | None = None
+) -> tuple[str, str | None]:
+    """The 400's message and the parameter it names. `content_type`: the request's; a body not labelled
+    JSON is not parsed at all, and then that is what to say, not that the unparsed text is no object."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
+    if first.get("loc", ())[:1] == ("body",) and not is_json_type(content_type):
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return f"the body must be JSON, sent with Content-Type: application/json (this one has {got})", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
@@ -73,7 +80,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, request.headers.get("content-type"))
         service.metrics.requests.labels(request.url.path, "invalid").inc()
         return _error(request, ApiError(400, message, param=param))
 

@@ -17,7 +17,7 @@ PREFIX = "/api/"
 LOOPBACK = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}  # what Ollama allows by default
 
 
-def _is_json(content_type: str | None) -> bool:
+def is_json_type(content_type: str | None) -> bool:
     if not content_type:
         return False
     kind = content_type.split(";", 1)[0].strip().lower()
@@ -54,7 +54,7 @@ class OllamaEntrance:
         if foreign and scope.get("method") != "OPTIONS":  # a preflight sends nothing to a route
             await _forbidden(scope, send, str(origin))
             return
-        if scope.get("method") == "POST" and not _is_json(header(scope, b"content-type")):
+        if scope.get("method") == "POST" and not is_json_type(header(scope, b"content-type")):
             # Read as JSON, as Ollama does: the route's body parser decides by this header.
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}

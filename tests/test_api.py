@@ -268,47 +268,61 @@ def test_ollama_client_chat_generate_list_show(api, greedy, tokenizer):
 
 
 def _three_streams(oai) -> dict[str, dict[int, float]]:
-    """Three streaming chats started at once: when each was called, sent its first text, and ended."""
+    """Three streaming chats started at once, each left (the request cancelled) once all three have sent text:
+    when each was called and sent its first text, and when each that ended by itself ended."""
     called: dict[int, float] = {}
     firsts: dict[int, float] = {}
     ends: dict[int, float] = {}
+    all_going = threading.Event()
+    lock = threading.Lock()
+    start = threading.Barrier(3)
 
     def one(i: int) -> None:
+        start.wait(timeout=30)
         called[i] = time.monotonic()
         s = oai.chat.completions.create(
             model=MODEL,
-            messages=[{"role": "user", "content": f"Count from {i} to {i + 40}."}],
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 400}."}],
             temperature=0,
-            max_tokens=24,
+            max_tokens=LONG_STREAM,
             stream=True,
+            extra_body={"ignore_eos": True},  # none ends early by itself: each lasts LONG_STREAM steps
         )
-        for c in s:
-            if c.choices and c.choices[0].delta.content and i not in firsts:
-                firsts[i] = time.monotonic()
+        with s:
+            for c in s:
+                if c.choices and c.choices[0].delta.content and i not in firsts:
+                    with lock:
+                        firsts[i] = time.monotonic()
+                        if len(firsts) == 3:
+                            all_going.set()
+                if all_going.is_set():
+                    return  # leaving closes the stream: the request is cancelled, the test goes on
         ends[i] = time.monotonic()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=240)
-    assert len(ends) == 3
+        t.join(timeout=400)
+    assert not any(t.is_alive() for t in threads)
     return {"called": called, "first": firsts, "end": ends}
+
+
+# Long enough that a stream outlasts any skew between three requests started at once (their first texts came
+# up to 1.2 s apart on a busy machine, while a 24-token answer, or one the model ended after 15, lasted 1-1.5
+# s: the flake this test had), and short enough to end in a bounded time where requests do not interleave.
+LONG_STREAM = 1000
 
 
 @pytest.mark.timeout(600)
 def test_concurrent_requests_run_interleaved(oai, api):
-    # Up to three tries: in two of several full CI runs, one stream's first text came only after another
-    # stream had ended. That was never reproduced in isolation, and the timelines printed on failure are
-    # there to find it. A schedule that never interleaves fails every try.
-    timelines = []
-    for _ in range(3):
-        wait_for(lambda: _instance(api)["live"]["leader_requests"] == 0, 30, "earlier requests to finish")
-        timeline = _three_streams(oai)
-        if max(timeline["first"].values()) < min(timeline["end"].values()):
-            return  # every stream was going before any finished
-        timelines.append(timeline)
-    pytest.fail(f"no try had all three streams going at once: {timelines}")
+    wait_for(lambda: _instance(api)["live"]["leader_requests"] == 0, 30, "earlier requests to finish")
+    timeline = _three_streams(oai)
+    # Every stream sent text before any ended by itself (a schedule that runs requests one after another
+    # ends the first before the next starts).
+    assert len(timeline["first"]) == 3, timeline
+    assert all(end > max(timeline["first"].values()) for end in timeline["end"].values()), timeline
+    wait_for(lambda: _instance(api)["live"]["leader_requests"] == 0, 30, "the streams left to be cancelled")
 
 
 @pytest.mark.timeout(300)

@@ -7,9 +7,12 @@ this short on a shared machine is noisy."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,9 +32,10 @@ from shardline.bench.chaos import (
     largest_schema,
     partition_sides,
 )
-from shardline.bench.soak import Abuse, Soak, _targets, fault_kinds
+from shardline.bench.soak import Abuse, Counts, Soak, _targets, fault_kinds
 from shardline.cli import main
-from shardline.testing.netns import LAB_RANGE, LeakMonitor, list_netns, netns_skip_reason
+from shardline.testing.cluster import LabCluster
+from shardline.testing.netns import LAB_RANGE, Host, LeakMonitor, list_netns, netns_skip_reason
 
 FIELDS = {
     "minutes",
@@ -296,3 +300,57 @@ def test_a_partition_without_namespaces_is_a_usage_error(capsys):
     argv = ["bench", "soak", "--seconds", "5", "--model", "tiny", "--no-netns", "--faults", "partition"]
     assert main(argv) == 2
     assert "partition needs --netns" in capsys.readouterr().err
+
+
+class _FakeLab:
+    """What a partition does to the switch, recorded: split groups, then the heal."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    @contextlib.contextmanager
+    def partitioned(self, groups: list[list[Host]]) -> Iterator[None]:
+        self.calls.append(("split", [[h.name for h in g] for g in groups]))
+        try:
+            yield
+        finally:
+            self.calls.append(("heal",))
+
+
+@pytest.mark.timeout(30)
+def test_a_partition_keeps_the_clients_with_the_majority_watches_it_elect_and_always_heals():
+    ids = ["n0", "n1", "n2", "n3", "n4"]
+    hosts = {nid: Host(f"lab-{i}", f"10.0.0.{i + 1}", "lab0", i, f"p{i}") for i, nid in enumerate(ids)}
+    client = Host("lab-5", "10.0.0.6", "lab0", 5, "p5")
+    soak = Soak.__new__(Soak)  # the fault alone, against a fake switch and fake /state answers
+    soak.lab = lab = _FakeLab()  # type: ignore[assignment]
+    soak.cluster = cluster = LabCluster.__new__(LabCluster)
+    cluster.hosts = hosts
+    soak.client_host, soak.ids, soak.stop = client, ids, threading.Event()
+    soak.c, soak.partitions = Counts(), []
+    asked: list[str | None] = []
+
+    def state(node_id: str | None = None) -> dict[str, Any]:
+        asked.append(node_id)
+        if node_id is None:
+            return {"master": "n2", "term": 4}  # before the cut
+        soak.stop.set()  # the run ends here: the hold ends early, and the switch must still heal
+        return {"master": "n0", "term": 5} if node_id != "n2" else {}
+
+    soak.state = state  # type: ignore[method-assign]
+    soak._state_in = lambda nid, timeout=2.0: {"master": "n2", "term": 4}  # type: ignore[method-assign]
+    entry: dict[str, Any] = {}
+    soak._partition(random.Random(1), entry)
+
+    minority, majority = entry["minority"], entry["majority"]
+    assert minority[0] == "n2" and len(minority) == 2 and entry["clients_with"] == "majority", entry
+    split = lab.calls[0][1]
+    assert split[0] == [hosts[n].name for n in majority] + [client.name], split  # clients on br0 with them
+    assert split[1] == [hosts[n].name for n in minority] and lab.calls[1] == ("heal",), lab.calls
+    assert (entry["new_master"], entry["new_term"], entry["term"]) == ("n0", 5, 4), entry
+    assert entry["minority_views"] == {n: {"term": 4, "master": "n2"} for n in minority}
+    ((down, up, cut),) = soak.partitions
+    assert up is not None and down <= up and cut == frozenset(minority) and soak.c.partitions == 1
+    assert all(a is None or a in majority for a in asked), (
+        asked
+    )  # only the majority is asked from the clients

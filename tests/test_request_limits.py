@@ -19,24 +19,51 @@ from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.errors import RequestTooLargeError
 from shardline.runner.leader import Leader
+from shardline.runner.worker import Held
 
 FULL_BIAS = tuple((t, 1.5) for t in range(MAX_LOGIT_BIAS))  # the largest logit_bias the APIs accept
 
 
 class Ring:
-    """A one-stage ring: every step is recorded and answered at once (token 7 where it samples)."""
+    """A one-stage ring: every step is recorded and answered at once, as a sampling stage would: it holds
+    each request's settings from its first step and appends what it samples (token 100 + seq % 300). At
+    every sampled row, what it holds must be what the leader sent every step before settings travelled
+    once: the newest known tokens (repetition penalty) and the output so far (penalties, constraints)."""
 
     def __init__(self) -> None:
         self.steps: list[m.Step] = []
         self.events: list[Any] = []
+        self.held: dict[str, Held] = {}
+        self.leader: Leader | None = None
+        self.checked = 0
 
     def compute(self, step: m.Step, x: Any) -> tuple[m.StepResult, None]:
         self.steps.append(step)
+        if step.prime is not None:
+            self.held[step.request_id] = Held.of(step.prime)
+        token = 100 + step.seq % 300
         if step.rows:
-            rows = [m.RowResult(request_id=r.request_id, token=7 if r.sample else None) for r in step.rows]
+            rows = [
+                m.RowResult(
+                    request_id=r.request_id, token=self._took(r.request_id, token) if r.sample else None
+                )
+                for r in step.rows
+            ]
             return m.StepResult(seq=step.seq, request_id=step.request_id, rows=rows, trace=[0.001]), None
-        token = 7 if step.sample else None
-        return m.StepResult(seq=step.seq, request_id=step.request_id, token=token, trace=[0.001]), None
+        sampled = self._took(step.request_id, token) if step.sample else None
+        return m.StepResult(seq=step.seq, request_id=step.request_id, token=sampled, trace=[0.001]), None
+
+    def _took(self, rid: str, token: int) -> int:
+        assert self.leader is not None
+        req = self.leader.requests[rid]
+        sp, h = req.spec.sampling, self.held[rid]
+        assert list(h.context) == (
+            req.known[-sp.repetition_context :] if sp.repetition_penalty != 1.0 else []
+        )
+        assert h.output == (req.known[req.prompt_len - req.spec.index_base :] if sp.needs_output else [])
+        self.checked += 1
+        h.took(token)
+        return token
 
     def send(self, event: Any, tensor: Any = None) -> None:
         self.events.append(event)
@@ -71,25 +98,31 @@ def stub_leader(ring: Ring, max_batch: int) -> Leader:
         policy=SimpleNamespace(clamp=lambda s: s),
         compute=ring.compute,
     )
-    return Leader(runner)  # type: ignore[arg-type]
+    ring.leader = Leader(runner)  # type: ignore[arg-type]
+    return ring.leader
 
 
-def _submit(leader: Leader, rid: str, seq: int, max_tokens: int) -> None:
+def _submit(leader: Leader, rid: str, seq: int, max_tokens: int, **resumed: Any) -> None:
     sampling = SamplingParams(presence_penalty=0.5, repetition_penalty=1.1, logit_bias=FULL_BIAS)
-    spec = m.RequestSpec(request_id=rid, prompt=list(range(20)), max_tokens=max_tokens, sampling=sampling)
+    prompt = resumed.pop("prompt", list(range(20)))
+    spec = m.RequestSpec(request_id=rid, prompt=prompt, max_tokens=max_tokens, sampling=sampling, **resumed)
     leader.handle(SimpleNamespace(message=m.Submit(front="f", seq=seq, request=spec)))
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("max_batch", [1, 4], ids=["alone", "batched"])
-def test_steps_carry_settings_once_and_never_the_output(max_batch: int) -> None:
+def test_steps_carry_settings_once_and_the_sampler_holds_what_they_carried(max_batch: int) -> None:
     ring = Ring()
     leader = stub_leader(ring, max_batch)
-    for i in range(3):
-        _submit(leader, f"r{i}", i + 1, max_tokens=60)
+    _submit(leader, "r0", 1, max_tokens=60)
+    # Resubmitted after a failure: with the tokens streamed already, replayed (exact) or folded into the
+    # prompt (fast); the sampler continues from them.
+    _submit(leader, "r1", 2, max_tokens=60, generated=list(range(300, 330)))
+    _submit(leader, "r2", 3, max_tokens=45, prompt=list(range(35)), index_base=15)
     leader.act()
     done = [e.request_id for e in ring.events if isinstance(e, m.Finished)]
     assert sorted(done) == ["r0", "r1", "r2"]
+    assert ring.checked == 60 + 30 + 45
     firsts = [s for s in ring.steps if s.prime is not None]
     assert sorted(s.request_id for s in firsts) == ["r0", "r1", "r2"]
     assert all(s.pos == 0 and s.prime.sampling.logit_bias == FULL_BIAS for s in firsts)  # type: ignore[union-attr]

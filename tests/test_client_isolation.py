@@ -196,9 +196,11 @@ def test_a_leader_sends_a_requests_events_to_its_own_front_only() -> None:
             leader.act()
             leader.beat()
             f1: list[Any] = []
-            wait_for(lambda: f1.extend(iter(heard["f1"].get_nowait, None)) or len(f1) >= 5, 10, "f1's events")
+            wait_for(lambda: f1.extend(iter(heard["f1"].get_nowait, None)) or len(f1) >= 6, 10, "f1's events")
             kinds = [type(e.message).__name__ for e in f1]
-            assert kinds == ["Admitted", "TokenEvent", "TokenEvent", "TokenEvent", "Finished"], kinds
+            assert kinds == ["Admitted", "TokenEvent", "TokenEvent", "TokenEvent", "Finished", "LeaderBeat"]
+            own = f1[-1].message  # f1's own beat, behind the ends it follows: what the leader holds of f1's
+            assert own.seen == {"f1": 1} and own.requests == []
             # Only the beat goes to every front; no other front hears a thing.
             assert [type(e) for e in leader.r.events.sent] == [m.LeaderBeat]
             assert heard["f2"].get_nowait() is None and heard["f1"].get_nowait() is None
@@ -369,3 +371,23 @@ def test_a_finaliser_never_cancels_through_a_lock_its_thread_holds() -> None:
             deferred[0]()  # the service runs it later, holding nothing
             wait_for(lambda: handle.done, 5, "the cancel")
             assert handle.finish_reason == "cancelled" and front.requests == {}
+
+
+@pytest.mark.timeout(30)
+def test_only_a_fronts_own_beat_can_say_the_leader_lost_its_request() -> None:
+    """The beat to every front travels on another key than a request's end, and may overtake it: read as
+    'the leader no longer holds it', it would fail a whole generation over an end that is on its way."""
+    with session_keys("ownbeat") as (session, keys):
+        control = Inbox(session, 1, name="leader")
+        control.subscribe(keys.at(1).control, m.CONTROL, "control")
+        with serving_front(session, keys, "f1") as front:
+            front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))
+            assert front.serving.wait(10)
+            handle = front.submit([1, 2, 3], max_tokens=2)
+            sub = wait_for(control.get_nowait, 10, "the Submit").message
+            beat = m.LeaderBeat(seen={"f1": sub.seq}, requests=[])  # sent after the end, arrived before it
+            with front._lock:
+                assert front._check_beat(beat) is None
+                lost = front._check_beat(beat, own=True)
+            assert lost is not None and f"no longer holds {handle.request_id}" in lost
+        control.close()

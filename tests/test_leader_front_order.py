@@ -96,7 +96,7 @@ def serving_front(prefix: str) -> Iterator[SimpleNamespace]:
     control.subscribe(keys.at(1).control, m.CONTROL, "control")
     reports = Inbox(session, name="master")
     reports.subscribe(keys.reports, m.STATUS, "reports")
-    events = Outbox(session, keys.at(1).events, 1)
+    events = Outbox(session, keys.at(1).reply("f1"), 1)  # the front's own events, as a leader sends them
     front = Front(session, keys, ModelLimits(64, 1024), name="f1").start()
     try:
         front.announce(m.Serving(generation=1, kv_bytes_per_token=0, kv_budget_bytes=0))

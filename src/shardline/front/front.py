@@ -161,8 +161,10 @@ class Front:
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._checked = 0.0  # when deadlines were last checked
         self._inbox = Inbox(session, name=self.name, capacity=INBOX_CAPACITY)
-        # The leader's beats to every front, and this front's own requests' events: never another's.
-        self._inbox.subscribe(self.keys.events_any, m.EVENTS, "events")
+        # The leader's beats to every front ("beats"), and this front's own requests' events with a beat of
+        # its own ("events"): never another front's. Only the own beat says which requests the leader lost:
+        # it travels behind their ends on one key, where a beat to every front may overtake them.
+        self._inbox.subscribe(self.keys.events_any, m.EVENTS, "beats")
         self._inbox.subscribe(self.keys.replies_any(self.name), m.EVENTS, "events")
         self._inbox.subscribe(self.keys.updates, m.INSTANCE, "updates")
         self._reports = Outbox(session, self.keys.reports)
@@ -487,7 +489,7 @@ class Front:
             if generation is None or env.generation != generation:
                 return  # an old generation's late event: its requests are resent already
             if isinstance(msg, m.LeaderBeat):
-                fault = self._check_beat(msg)
+                fault = self._check_beat(msg, own=env.source == "events")
             else:
                 handle = self.requests.get(msg.request_id)
                 if handle is not None:
@@ -528,12 +530,15 @@ class Front:
             state.admitted = True
         return None
 
-    def _check_beat(self, beat: m.LeaderBeat) -> str | None:
-        seen = beat.seen.get(self.name, -1)
+    def _check_beat(self, beat: m.LeaderBeat, own: bool = False) -> str | None:
+        """own: the beat on this front's reply key, listing its requests the leader holds (which requests
+        it lost); else the beat to every front (figures). Either may say which Submits reached the leader."""
+        seen = beat.seen.get(self.name, -1) if own else -1
         held = set(beat.requests)
-        self.leader_held = len(held)
-        if self.generation is not None:
-            self.figures.take(beat, self.generation)
+        if not own:
+            self.leader_held = len(held)
+            if self.generation is not None:
+                self.figures.take(beat, self.generation)
         received = beat.received.get(self.name, -1) if beat.received is not None else None
         now = time.monotonic()
         for h in self.requests.values():

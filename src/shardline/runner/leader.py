@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class Leader:
         self.starved = False  # a running request waits for a block: nothing new is admitted meanwhile
         self.front_of: dict[str, str] = {}  # request -> the front that sent it (its events go there)
         self.replies: OrderedDict[str, Outbox] = OrderedDict()
+        self.replies_lock = threading.Lock()  # the leader's thread adds outboxes, the heartbeat's reads them
         self.in_flight: OrderedDict[int, InFlight] = OrderedDict()  # step seq -> step, oldest first
         self.seen: dict[str, int] = {}  # front -> last control seq
         # Every request held (waiting or admitted), in one dict the beat copies in one step: a request moves
@@ -581,6 +583,21 @@ class Leader:
             prefix_block_tokens=ledger.block if ledger.enabled else 0,
         )
         self.emit(beat)
+        # Each front's own beat, behind its requests' ends on its reply key: only there can a front tell a
+        # lost end (a beat on another key may overtake the end it follows).
+        front_of = dict(self.front_of)
+        mine: dict[str, list[str]] = {}
+        for rid in held:
+            if (front := front_of.get(rid)) is not None:
+                mine.setdefault(front, []).append(rid)
+        with self.replies_lock:
+            outs = [(front, out) for front, out in self.replies.items() if front in seen]
+        for front, out in outs:
+            own = m.LeaderBeat(seen={front: seen[front]}, requests=mine.get(front, []), running=running)
+            try:
+                out.send(own)
+            except Exception as exc:  # an outbox closed meanwhile: its front gets the next beat
+                log.debug("beat to %s failed: %s", front, exc)
 
     def emit(self, event: Any, tensor: Any = None) -> None:
         """A request's events go to its own front only; beats to every front (each reads its part)."""
@@ -593,10 +610,11 @@ class Leader:
         session = getattr(self.r, "session", None)
         if session is None:
             return None
-        out = self.replies.get(front)
-        if out is None:
-            out = self.replies[front] = Outbox(session, self.r.keys.reply(front), self.spec.generation)
-            while len(self.replies) > REPLY_OUTBOXES:
-                self.replies.popitem(last=False)[1].close()
-        self.replies.move_to_end(front)
-        return out
+        with self.replies_lock:
+            out = self.replies.get(front)
+            if out is None:
+                out = self.replies[front] = Outbox(session, self.r.keys.reply(front), self.spec.generation)
+                while len(self.replies) > REPLY_OUTBOXES:
+                    self.replies.popitem(last=False)[1].close()
+            self.replies.move_to_end(front)
+            return out

@@ -391,3 +391,64 @@ def test_only_a_fronts_own_beat_can_say_the_leader_lost_its_request() -> None:
                 lost = front._check_beat(beat, own=True)
             assert lost is not None and f"no longer holds {handle.request_id}" in lost
         control.close()
+
+
+class _Metric:
+    def labels(self, *args: Any) -> _Metric:
+        return self
+
+    def inc(self, *args: Any) -> None:
+        pass
+
+    def observe(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("flavor", ["openai", "anthropic", "ollama"])
+def test_a_stream_past_its_deadline_ends_with_a_timeout_error_in_its_apis_shape(flavor: str) -> None:
+    import asyncio
+
+    from shardline.api.errors import ApiError, body
+    from shardline.api.service import ActiveRequest
+    from shardline.api.text import TextStream
+    from shardline.front.request import RequestHandle, RequestState
+
+    state = RequestState(
+        request_id="r1", prompt=[1, 2], max_tokens=8, sampling=m.SamplingParams(), stop_tokens=[]
+    )
+    handle = RequestHandle(state, lambda rid: None)
+    handle._token(m.TokenEvent(request_id="r1", index=0, token=5, logprob=0.0), None)
+    state.expired = True
+    handle._finish(error="no token came for 181s after token 1, past its deadline")
+    metrics = SimpleNamespace(requests=_Metric(), ttft=_Metric(), itl=_Metric(), tokens_out=_Metric())
+    run = ActiveRequest(
+        id="x",
+        model="m",
+        instance="i",
+        handle=handle,
+        stream=TextStream(lambda ids: "a" * len(ids)),
+        text=SimpleNamespace(),  # type: ignore[arg-type]
+        prompt_tokens=2,
+        started=0.0,
+        metrics=metrics,  # type: ignore[arg-type]
+        release=lambda: None,
+        endpoint="chat",
+    )
+
+    async def read() -> tuple[list[str], ApiError]:
+        texts = []
+        try:
+            async for chunk in run.chunks():
+                texts.append(chunk.text)
+        except ApiError as exc:
+            return texts, exc
+        raise AssertionError("the stream ended without an error")
+
+    texts, err = asyncio.run(read())
+    assert texts == ["a"]  # what came before the deadline was sent
+    assert err.status == 503 and err.kind == "timeout_error" and "timed out" in err.message
+    assert "no token came" in err.message  # which wait passed
+    shaped = body(err, flavor)  # as streaming.stream_response sends it after the first byte
+    text = str(shaped)
+    assert "no token came" in text

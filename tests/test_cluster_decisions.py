@@ -68,7 +68,8 @@ def test_only_the_node_the_rule_names_campaigns_and_wins_with_a_quorum():
     vote = cs.grant(b, claim)
     assert vote is not None
     assert cs.grant(b, claim.model_copy(update={"candidate": "c"})) is None  # once a term
-    view = cm.ClusterView(term=1, master="a", nodes=[member("a"), member("b"), member("c")])
+    abc = cm.Membership(members=["a", "b", "c"], term=1)  # c joined: the master's committed change
+    view = cm.ClusterView(term=1, master="a", nodes=[member("a"), member("b"), member("c")], membership=abc)
     for s in (a, b):
         cs.apply(s, cs.ViewIn(view), 0)
     assert cs.campaign(b, settled=True, now=0, patience=1) is None

@@ -53,7 +53,7 @@ class Net:
             cm.NodeSummary(node_id=n, name=n, endpoint="", alive=n in s.alive | {s.me})
             for n in sorted({x.me for x in self.states})
         ]
-        view = cm.ClusterView(term=s.term, master=s.me, seq=self.seq, nodes=nodes)
+        view = cm.ClusterView(term=s.term, master=s.me, seq=self.seq, nodes=nodes, membership=s.membership)
         cs.apply(s, cs.ViewIn(view), 0)
         self.send_all(i, view)
 

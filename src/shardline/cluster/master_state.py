@@ -70,6 +70,7 @@ def snapshot(state: cs.ClusterState, now: float, wall: float) -> Snapshot:
             master=state.master,
             view=state.view,
             events=type(state.events)(state.events, maxlen=state.events.maxlen),
+            membership=state.membership,  # immutable: views carry the agreed membership
         ),
     )
 
@@ -456,6 +457,7 @@ def view(state: MasterState) -> cm.ClusterView:
         nodes=nodes,
         instances=list(state.records.values()),
         events=list(st.events)[-EVENTS_IN_VIEW:],
+        membership=st.membership,
     )
 
 

@@ -73,6 +73,8 @@ class NodeReport(Wire):
     models: dict[str, LocalModel] = {}
     runners: list[RunnerInfo] = []
     term: int = 0  # the highest master term this node has seen: a new master learns it from reports
+    config: tuple[int, int] = (0, 0)  # (term, version) of the membership it holds: its acknowledgement
+    ballot_term: int = 0  # the highest term it voted or was asked for votes in: campaigns ask above it
     instances: list[InstanceRecord] = []  # as of the newest view it saw: nothing lives only in the master
     notices: list[ClusterEvent] = []  # its newest own events (a weight source refused): every node folds them
     links: dict[str, LinkFact] = {}  # peer node -> its measured link to it (placement's tensor parallelism)
@@ -137,11 +139,27 @@ class ClusterEvent(Wire):
     pause_s: float | None = None  # recovered: how long the instance did not serve
 
 
+class Membership(Wire):
+    """The agreed membership whose quorum elects a master (cluster/election.py). It changes one node at a
+    time: the master proposes `members` (committed=False, changing `base`) and commits it once a quorum of
+    both hold it (their reports' `config`)."""
+
+    members: list[str]
+    version: int = 1  # counts changes
+    term: int = 0  # the master term that proposed this version: (term, version) orders memberships
+    committed: bool = True
+    base: list[str] = []  # while not committed: the committed membership it changes
+
+    def key(self) -> tuple[int, int]:
+        return (self.term, self.version)
+
+
 class ClusterView(Wire):
     kind: Literal["view"] = "view"
     term: int
     master: str
     seq: int = 0  # counts this master's views: a view older than a command does not judge its runners
+    membership: Membership | None = None  # the agreed membership (None: an older master's view)
     nodes: list[NodeSummary] = []
     instances: list[InstanceRecord] = []
     events: list[ClusterEvent] = []  # the newest few, oldest first
@@ -155,12 +173,14 @@ REPORTS = TypeAdapter(ReportMessage)
 
 
 class Claim(Wire):
-    """A candidate asks for votes for `term`; `members` is the membership whose quorum it needs."""
+    """A candidate asks for votes for `term`; `members` is everyone whose quorum it needs; `membership` the
+    agreed membership it holds (None: a fresh cluster forming its first), which voters compare with theirs."""
 
     kind: Literal["claim"] = "claim"
     term: int
     candidate: str
     members: list[str]
+    membership: Membership | None = None
 
 
 class Vote(Wire):

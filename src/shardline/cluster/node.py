@@ -9,7 +9,9 @@ view no longer lists. Everything the master knows can be rebuilt from these repo
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import socket
 import threading
@@ -24,6 +26,7 @@ from platformdirs import user_data_dir
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.service import ApiSettings
+from shardline.cluster import election
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
@@ -48,6 +51,7 @@ from shardline.trust.seal import register as register_sealer
 
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
+ELECTION_FILE = "election.json"  # term, vote and agreed membership: a node that restarts keeps its word
 EVENTS_CAPACITY = 10_000
 NOTICES_KEPT = 8  # the node's newest own events, repeated in its reports
 NOTICE_TTL_S = 300.0  # ... for this long: a node that joins later need not learn old news
@@ -123,6 +127,8 @@ class Node:
         self.read_gbps = read_bandwidth()
         self.device = device_kind()
         self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
+        self._election_path = data_dir / ELECTION_FILE
+        self._durable = load_election(self._election_path, self.state)
         self.lock = threading.RLock()  # the state; never held while sending
         self.changed = threading.Condition(self.lock)
         # Bounded: a loop that fell behind drops (and counts) rather than stalling zenoh's receive threads.
@@ -311,8 +317,10 @@ class Node:
                 log.warning("node loop behind: %d events dropped", self.dropped_events)
 
     def _obey(self, term: int) -> bool:
+        """Whether a command of this master term is obeyed: the highest term seen, never one past the bound
+        (a lower one is dropped and counted by the agent)."""
         with self.lock:
-            return term >= self.state.term
+            return self.state.term <= term <= election.MAX_TERM
 
     # ---- the loop: fold, then act on the decisions ---------------------------------------------------------
 
@@ -354,9 +362,16 @@ class Node:
                 log.info("node %s asks for votes for term %d", self.node_id, claim.term)
                 ballots.append(claim)
                 term = cs.count(self.state) or term  # a quorum alone: one node, or half with the lowest id
+            reconfigured = self.master is not None and self.state.is_master and cs.reconfigure(self.state)
+            if reconfigured:
+                log.info("membership: %s", self.state.membership)
             deposed = self.master is not None and not self.state.is_master
             view = self.state.view
+            durable = cs.durable(self.state)
             self.changed.notify_all()
+        if durable != self._durable:  # on disk before any vote, claim or view says it
+            save_election(self._election_path, durable)
+            self._durable = durable
         for b in ballots:
             self._put(self._ballot_pub, encode(b))
         for e in happened:
@@ -374,7 +389,7 @@ class Node:
         if self.master is not None:
             # Only what was posted to this master: a deposed one's queries and updates are dropped.
             posted = [e.event for e in all_events if isinstance(e, Posted) and e.master is self.master]
-            self.master.step(posted, self._snapshot, bool(happened))
+            self.master.step(posted, self._snapshot, bool(happened) or reconfigured)
         if view is not None and self.agent is not None and any(isinstance(e, cs.ViewIn) for e in events):
             self._fence(view)
 
@@ -523,6 +538,7 @@ class Node:
                     pass
         with self.lock:
             term, instances = self.state.term, self.state.instances()
+            config, ballot_term = cs.config_key(self.state.membership), cs.known_term(self.state)
             notices = [n for n in self._notices if time.time() - n.at < NOTICE_TTL_S]
         return cm.NodeReport(
             node_id=self.node_id,
@@ -536,6 +552,8 @@ class Node:
             models=self.models() if self.config.worker else {},
             runners=self.runner_infos(),
             term=term,
+            config=config,
+            ballot_term=ballot_term,
             instances=instances,
             notices=notices,
             links=self.links.snapshot(),
@@ -570,3 +588,30 @@ class Node:
             progress,
             notify=lambda node, message: self._notice(node, message, spec.instance),
         )
+
+
+def load_election(path: Path, state: cs.ClusterState) -> dict[str, object]:
+    """Restore the node's term, vote and membership from its state directory; what it holds now.
+
+    A file that cannot be read is an error, never silently forgotten: a node that forgets its vote may
+    vote twice in one term."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return cs.durable(state)  # a fresh node
+    try:
+        cs.restore(state, json.loads(text))
+    except (ValueError, TypeError) as exc:
+        raise RuntimeError(f"{path}: election state unreadable ({exc}); move it aside to forget it") from exc
+    log.info("node %s resumes term %d (voted in %d)", state.me, state.term, state.voted_term)
+    return cs.durable(state)
+
+
+def save_election(path: Path, durable: dict[str, object]) -> None:
+    """Atomically: a crash leaves the old file or the new one, never a torn one."""
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump(durable, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

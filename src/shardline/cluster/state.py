@@ -67,7 +67,7 @@ Ballot = ClaimIn | VoteIn
 @dataclass
 class Candidacy:
     term: int
-    members: frozenset[str]
+    electorates: tuple[frozenset[str], ...]  # it needs a quorum of each
     since: float  # monotonic
     votes: set[str] = field(default_factory=set)
 
@@ -90,8 +90,14 @@ class ClusterState:
     view: cm.ClusterView | None = None  # the newest accepted
     events: deque[cm.ClusterEvent] = field(default_factory=lambda: deque(maxlen=MAX_EVENTS))
     # Elections (cluster/election.py): the newest term this node voted in, and for whom; its own campaign.
+    # Durable (`durable`/`restore`): a node that restarts must not vote twice in a term.
     voted_term: int = 0
     voted_for: str | None = None
+    seen_term: int = 0  # the highest term heard of (claims, reports): the next campaign asks above it
+    membership: cm.Membership | None = None  # agreed; None until the first master forms it
+    membership_at: tuple[int, int] = (0, 0)  # (term, seq) of the view it came from: older views never undo it
+    lost_quorum_at: float | None = None  # monotonic: since when this master has not seen a quorum
+    refused_terms: int = 0  # claims, views, reports and votes dropped for a term out of bounds
     candidacy: Candidacy | None = None
     deferred: cm.Claim | None = None  # refused while the sitting master seemed alive: reconsidered each step
     # node -> the time of its newest notice folded in: a notice repeats in its reports, it is logged once
@@ -131,8 +137,15 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
                 state.departed.pop(r.node_id, None)
                 happened.append(cm.ClusterEvent(at=now_wall, kind="join", node=r.node_id))
             happened += new_notices(state, r)
-        if r.term > state.term and state.master is not None and state.master not in state.alive:
-            state.term = r.term  # a master we never heard of came and went: learn its term
+        if not (0 <= r.term <= election.MAX_TERM and 0 <= r.ballot_term <= election.MAX_TERM):
+            state.refused_terms += 1
+        else:
+            if r.term > state.term and state.master is not None and state.master not in state.alive:
+                # A master we never heard of came and went: learn its term, not knowing who it was (a
+                # (term, master) pair it never held would outrank that master's own views).
+                state.term, state.master = r.term, None
+            # A campaign this node missed (or one that failed): the next one asks above it.
+            state.seen_term = max(state.seen_term, r.term, r.ballot_term)
     elif isinstance(event, Tick):
         for node in sorted(state.alive):
             fresh = event.now - state.heard.get(node, -1e9) < state.lease_s
@@ -145,9 +158,12 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
                         del state.departed[min(state.departed, key=lambda n: state.departed[n][1])]
                 state.heard.pop(node, None)
                 happened.append(cm.ClusterEvent(at=now_wall, kind="leave", node=node))
+        happened += _lease(state, event.now, now_wall)
     elif isinstance(event, ViewIn):
         v = event.view
-        if election.newer(v.term, v.master, state.term, state.master) or (
+        if not 0 <= v.term <= election.MAX_TERM:
+            state.refused_terms += 1
+        elif election.newer(v.term, v.master, state.term, state.master) or (
             v.term == state.term and v.master == state.master
         ):
             if v.master != state.master:
@@ -155,6 +171,10 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
             state.term, state.master, state.view = v.term, v.master, v
             if state.candidacy is not None and state.candidacy.term <= v.term:
                 state.candidacy = None  # someone won this term or a later one
+            if v.membership is not None and (v.term, v.seq) >= state.membership_at:
+                # The sitting master's membership replaces this node's, a pending change it never saw
+                # committed included (as a Raft leader's log overrides a follower's).
+                state.membership, state.membership_at = v.membership, (v.term, v.seq)
     state.events.extend(happened)
     return happened
 
@@ -168,16 +188,116 @@ def new_notices(state: ClusterState, report: cm.NodeReport) -> list[cm.ClusterEv
     return fresh
 
 
+def known_term(state: ClusterState) -> int:
+    """The highest term this node knows of: a peer may name at most one above it."""
+    return max(state.term, state.voted_term, state.seen_term)
+
+
+def electorates(state: ClusterState) -> tuple[frozenset[str], ...]:
+    """The memberships whose quorums decide: the agreed one, and while a change is pending the one it
+    changes too. Before any is agreed (a fresh cluster): the live nodes, as the first master forms it."""
+    m = state.membership
+    if m is None:
+        return (frozenset(state.alive | {state.me}),)
+    # A member that said it was leaving (its last report) and is gone shut down, it was not cut off: it
+    # abstains until the master's committed removal (`reconfigure`) makes that agreed, or it returns.
+    left = frozenset(n for n, (r, _) in state.departed.items() if r.leaving and n not in state.alive)
+    if m.committed:
+        return (frozenset(m.members) - left or frozenset(m.members),)
+    return (
+        frozenset(m.base) - left or frozenset(m.base),
+        frozenset(m.members) - left or frozenset(m.members),
+    )
+
+
 def members(state: ClusterState) -> frozenset[str]:
-    """Whose votes decide an election: the newest view's live members, or before any view the live nodes."""
-    if state.view is None:
-        return frozenset(state.alive | {state.me})
-    # A node that said it was leaving (its last report) is no longer a member: it shut down, it was not cut
-    # off, so it cannot be electing a master of its own.
-    left = {n for n, (r, _) in state.departed.items() if r.leaving}
-    left |= {n for n, r in state.reports.items() if r.leaving and n != state.me}
-    listed = {n.node_id for n in state.view.nodes if n.alive} | {state.view.master}
-    return frozenset(listed - left) or frozenset({state.me})
+    """Every node whose vote may count."""
+    return frozenset().union(*electorates(state))
+
+
+def config_key(m: cm.Membership | None) -> tuple[int, int]:
+    return (0, 0) if m is None else m.key()
+
+
+def _lease(state: ClusterState, now: float, now_wall: float) -> list[cm.ClusterEvent]:
+    """A master that has not seen a quorum of the members for a lease steps down: it stops placing,
+    removing and recovering (the node closes its master role); the majority side elects its own."""
+    if not state.is_master:
+        state.lost_quorum_at = None
+        return []
+    if election.quorum_of_all(state.alive | {state.me}, electorates(state)):
+        state.lost_quorum_at = None
+        return []
+    if state.lost_quorum_at is None:
+        state.lost_quorum_at = now
+    if now - state.lost_quorum_at < state.lease_s:
+        return []
+    state.lost_quorum_at, state.master = None, None
+    why = f"stepped down in term {state.term}: no quorum of the members for {state.lease_s:g} s"
+    return [cm.ClusterEvent(at=now_wall, kind="master", node="", message=why)]
+
+
+def reconfigure(state: ClusterState) -> bool:
+    """The master's membership change, one node at a time; True when the membership changed.
+
+    A pending change commits once a quorum of both memberships hold it (their reports' `config`); one
+    inherited from an older term is proposed again in this one first (Raft commits only its own term's
+    entries). Else: a member that left cleanly is removed, or a live node that is no member is added."""
+    m = state.membership
+    if not state.is_master or m is None:
+        return False
+    if not m.committed:
+        if m.term != state.term:
+            state.membership = m.model_copy(update={"term": state.term})
+            return True
+        held = {state.me} | {n for n, r in state.reports.items() if tuple(r.config) == m.key()}
+        if election.quorum(held, set(m.base)) and election.quorum(held, set(m.members)):
+            state.membership = m.model_copy(update={"committed": True, "base": []})
+            return True
+        return False
+    now = set(m.members)
+    leaving = {n for n, (r, _) in state.departed.items() if r.leaving}
+    leaving |= {n for n, r in state.reports.items() if r.leaving}
+    gone = sorted((now & leaving) - {state.me})
+    joined = sorted(
+        n for n, r in state.reports.items() if n in state.alive and not r.leaving and n not in now
+    )
+    if gone:
+        new = now - {gone[0]}
+    elif joined:
+        new = now | {joined[0]}
+    else:
+        return False
+    state.membership = cm.Membership(
+        members=sorted(new), version=m.version + 1, term=state.term, committed=False, base=sorted(now)
+    )
+    return True
+
+
+def durable(state: ClusterState) -> dict[str, object]:
+    """What a node keeps across restarts (written atomically before a vote or claim is sent)."""
+    return {
+        "term": state.term,
+        "voted_term": state.voted_term,
+        "voted_for": state.voted_for,
+        "seen_term": state.seen_term,
+        "membership": None if state.membership is None else state.membership.model_dump(mode="json"),
+    }
+
+
+def restore(state: ClusterState, saved: dict[str, object]) -> None:
+    """Reload what `durable` kept; a value out of bounds is refused whole (ValueError)."""
+    terms = [saved.get(k, 0) for k in ("term", "voted_term", "seen_term")]
+    if not all(isinstance(t, int) and 0 <= t <= election.MAX_TERM for t in terms):
+        raise ValueError(f"terms out of bounds: {terms}")
+    voted_for = saved.get("voted_for")
+    if voted_for is not None and not isinstance(voted_for, str):
+        raise ValueError("voted_for is not a node id")
+    m = saved.get("membership")
+    state.term, state.voted_term, state.seen_term = terms  # type: ignore[assignment]
+    state.voted_for = voted_for
+    state.membership = None if m is None else cm.Membership.model_validate(m)
+    state.membership_at = (0, 0)
 
 
 def campaign(state: ClusterState, settled: bool, now: float, patience: float) -> cm.Claim | None:
@@ -185,9 +305,9 @@ def campaign(state: ClusterState, settled: bool, now: float, patience: float) ->
 
     settled: this node has been up long enough to have heard a sitting master (it must not depose one it
     simply has not met yet). A campaign without a quorum after `patience` seconds is given up; the next one
-    asks for a higher term. A node that cannot see a quorum of the members does not campaign: it is most
-    likely the one cut off, and a term raised alone would, once reconnected, depose the master the others
-    kept.
+    asks for the same term again unless a higher one was heard of meanwhile (terms rise by one at a change,
+    never by a node's own retries). A node that cannot see a quorum of the members does not campaign: it is
+    most likely the one cut off.
     """
     if state.candidacy is not None:
         if now - state.candidacy.since < patience:
@@ -195,26 +315,44 @@ def campaign(state: ClusterState, settled: bool, now: float, patience: float) ->
         state.candidacy = None
     if not settled or state.is_master:
         return None
-    alive, voters = state.alive | {state.me}, members(state)
-    if not election.quorum(alive, voters):
+    alive, voters = state.alive | {state.me}, electorates(state)
+    if not election.quorum_of_all(alive, voters):
         return None
-    master, _ = election.elect(alive, state.master, state.term)
+    everyone = frozenset().union(*voters)
+    master, _ = election.elect(alive & everyone, state.master, state.term)
     if master != state.me:
         return None
-    term = max(state.term, state.voted_term) + 1
+    term = max(state.term, state.seen_term) + 1
+    if state.voted_term > term or (state.voted_term == term and state.voted_for != state.me):
+        term = state.voted_term + 1
+    if term > election.MAX_TERM:
+        return None  # the ceiling: an operator must intervene (it cannot be reached by one step at a time)
     state.voted_term, state.voted_for = term, state.me
     state.candidacy = Candidacy(term, voters, now, {state.me})
-    return cm.Claim(term=term, candidate=state.me, members=sorted(voters))
+    return cm.Claim(term=term, candidate=state.me, members=sorted(everyone), membership=state.membership)
 
 
 def grant(state: ClusterState, claim: cm.Claim) -> cm.Vote | None:
     """This node's vote for a claim, at most one per term; None to refuse."""
-    if claim.candidate == state.me or claim.term <= state.term:
+    if claim.candidate == state.me:
+        return None
+    if not election.plausible(claim.term, known_term(state)):
+        state.refused_terms += 1
+        return None
+    state.seen_term = max(state.seen_term, claim.term)
+    if claim.term <= state.term:
         return None
     if claim.term < state.voted_term:
         return None  # voted in a later term already
     if claim.term == state.voted_term and state.voted_for != claim.candidate:
         return None  # one vote per term
+    if config_key(claim.membership) < config_key(state.membership):
+        return None  # its membership is older than this node's: it may not know of a committed change
+    if (
+        claim.membership is not None
+        and claim.candidate not in claim.membership.members + claim.membership.base
+    ):
+        return None  # not a member of its own membership
     sitting = state.master
     if sitting is not None and sitting != claim.candidate and sitting in state.alive | {state.me}:
         # A master this node still sees is not deposed behind its back; if it is gone once this node's own
@@ -236,16 +374,22 @@ def reconsider(state: ClusterState) -> cm.Vote | None:
 
 
 def count(state: ClusterState, vote: cm.Vote | None = None) -> int | None:
-    """Fold a vote into this node's campaign; the term it won, once it holds a quorum (it is master then)."""
+    """Fold a vote into this node's campaign; the term it won, once it holds a quorum (it is master then).
+    The first master of a fresh cluster forms its membership: the live nodes it asked."""
     c = state.candidacy
     if c is None:
         return None
+    if c.term <= state.term:  # a later master was heard of meanwhile (a report): this term is over
+        state.candidacy = None
+        return None
     if vote is not None and vote.term == c.term and vote.candidate == state.me:
         c.votes.add(vote.voter)
-    if not election.quorum(c.votes, set(c.members)):
+    if not election.quorum_of_all(c.votes, c.electorates):
         return None
     state.candidacy = None
-    state.term, state.master = c.term, state.me
+    state.term, state.master, state.lost_quorum_at = c.term, state.me, None
+    if state.membership is None:
+        state.membership = cm.Membership(members=sorted(c.electorates[0]), version=1, term=c.term)
     return c.term
 
 

@@ -96,7 +96,6 @@ class ClusterState:
     seen_term: int = 0  # the highest term heard of (claims, reports): the next campaign asks above it
     membership: cm.Membership | None = None  # agreed; None until the first master forms it
     membership_at: tuple[int, int] = (0, 0)  # (term, seq) of the view it came from: older views never undo it
-    lost_quorum_at: float | None = None  # monotonic: since when this master has not seen a quorum
     refused_terms: int = 0  # claims, views, reports and votes dropped for a term out of bounds
     candidacy: Candidacy | None = None
     deferred: cm.Claim | None = None  # refused while the sitting master seemed alive: reconsidered each step
@@ -158,7 +157,7 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
                         del state.departed[min(state.departed, key=lambda n: state.departed[n][1])]
                 state.heard.pop(node, None)
                 happened.append(cm.ClusterEvent(at=now_wall, kind="leave", node=node))
-        happened += _lease(state, event.now, now_wall)
+        happened += _lease(state, now_wall)
     elif isinstance(event, ViewIn):
         v = event.view
         if not 0 <= v.term <= election.MAX_TERM:
@@ -219,20 +218,13 @@ def config_key(m: cm.Membership | None) -> tuple[int, int]:
     return (0, 0) if m is None else m.key()
 
 
-def _lease(state: ClusterState, now: float, now_wall: float) -> list[cm.ClusterEvent]:
-    """A master that has not seen a quorum of the members for a lease steps down: it stops placing,
-    removing and recovering (the node closes its master role); the majority side elects its own."""
-    if not state.is_master:
-        state.lost_quorum_at = None
+def _lease(state: ClusterState, now_wall: float) -> list[cm.ClusterEvent]:
+    """A master that no longer sees a quorum of the members steps down: it stops placing, removing and
+    recovering (the node closes its master role) while the majority side elects its own. Seeing is the
+    lease already: a member leaves `alive` once neither its token nor a report came for `lease_s`."""
+    if not state.is_master or election.quorum_of_all(state.alive | {state.me}, electorates(state)):
         return []
-    if election.quorum_of_all(state.alive | {state.me}, electorates(state)):
-        state.lost_quorum_at = None
-        return []
-    if state.lost_quorum_at is None:
-        state.lost_quorum_at = now
-    if now - state.lost_quorum_at < state.lease_s:
-        return []
-    state.lost_quorum_at, state.master = None, None
+    state.master = None
     why = f"stepped down in term {state.term}: no quorum of the members for {state.lease_s:g} s"
     return [cm.ClusterEvent(at=now_wall, kind="master", node="", message=why)]
 
@@ -387,7 +379,7 @@ def count(state: ClusterState, vote: cm.Vote | None = None) -> int | None:
     if not election.quorum_of_all(c.votes, c.electorates):
         return None
     state.candidacy = None
-    state.term, state.master, state.lost_quorum_at = c.term, state.me, None
+    state.term, state.master = c.term, state.me
     if state.membership is None:
         state.membership = cm.Membership(members=sorted(c.electorates[0]), version=1, term=c.term)
     return c.term

@@ -19,6 +19,7 @@ from shardline.compute.constraints import Constraint, Matchers, json_schema, pro
 from shardline.compute.sampling import SamplingParams, sample
 from shardline.dataplane.messages import BATCH_ID, Row, Step
 from shardline.runner.worker import Held, finish
+from shardline.testing.cluster import FAST_RUNNERS as FAST
 
 END = (2,)  # the default model's <|im_end|>
 
@@ -114,6 +115,46 @@ def test_mask_opens_an_object_and_ends_only_once_the_grammar_accepts(model_dir, 
     after = _allowed(m.mask("x", more, ab, vocab))
     assert END[0] in after and len(after) > 1
     assert all(set(hf.decode([t])) <= {"b"} for t in after if t != END[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_grammar_is_compiled_once_for_every_request_that_uses_it_each_within_an_announced_grace(
+    model_dir, tokenizer_json, hf
+):
+    """The n choices of one request (and later requests with the same constraint) share one compile: each
+    matcher is a copy of it, and masks are what a matcher compiled for the request alone gives. The build
+    and each compile are announced before they start, sized to their input."""
+    from contextlib import contextmanager
+
+    from llguidance import LLMatcher
+
+    from shardline.compute.constraints import allowed, compile_grace_s, grammar_of, tokenizer_grace_s
+
+    announced: list[float] = []
+
+    @contextmanager
+    def grace(seconds: float):
+        announced.append(seconds)
+        yield
+
+    vocab = _vocab(model_dir)
+    m = Matchers(tokenizer_json, grace=grace)
+    m.load(vocab)
+    assert m.loaded and announced == [tokenizer_grace_s(tokenizer_json.stat().st_size)]
+    c, other = json_schema(SCHEMAS[0], END), json_schema(SCHEMAS[1], END)
+    outputs = ["", '{"na', '{"name": "Al', '{"name": "Bob", "age": 4']
+    ids = [hf.encode(o, add_special_tokens=False).ids for o in outputs]
+    got = m.masks([(f"choice-{i}", c, out) for i, out in enumerate(ids)], vocab)
+    m.masks([("other", other, [])], vocab)
+    again = m.mask("later", c, ids[2], vocab)
+    assert announced[1:] == [compile_grace_s(len(grammar_of(c))), compile_grace_s(len(grammar_of(other)))]
+    tok = m.tokenizer(vocab)
+    for out, mask in zip(ids, got, strict=True):
+        alone = LLMatcher(tok, grammar_of(c), log_level=0)
+        alone.consume_tokens(out)
+        assert np.array_equal(mask, allowed(alone, END, vocab, list(tok.eos_tokens)))
+    assert np.array_equal(again, got[2])
+    m.close()
 
 
 @pytest.mark.timeout(120)
@@ -248,21 +289,27 @@ def test_response_format_parsing_and_its_errors_name_the_parameter():
         assert err.value.param == "logit_bias"
 
 
-@pytest.mark.timeout(180)
-def test_a_constraint_that_fails_in_the_runner_ends_its_own_request_not_the_stage(
-    tmp_path: Path, model_dir: Path, start_engine
-) -> None:
-    """The API refuses a grammar that does not compile; a request that reaches a runner anyway (the engine's
-    own submit checks nothing of it) must not take the stage, and every request on it, down with it."""
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    """A tiny model with the default model's tokenizer files. Its head is smaller than the tokenizer (49,152
+    tokens): masks are cut to the model's vocabulary."""
     import shutil
 
     from shardline.testing.tiny import make_tiny_model
 
-    # A head smaller than the tokenizer (49,152 tokens): masks are cut to the model's vocabulary.
-    model = make_tiny_model(tmp_path / "model", "qwen2", vocab=2048)
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-tok") / "model", "qwen2", vocab=2048)
     for f in model_dir.glob("tokenizer*.json"):
         shutil.copy(f, model / f.name)
-    engine = start_engine(model, 2)
+    return model
+
+
+@pytest.mark.timeout(180)
+def test_a_constraint_that_fails_in_the_runner_ends_its_own_request_not_the_stage(
+    tiny_with_tokenizer: Path, start_engine
+) -> None:
+    """The API refuses a grammar that does not compile; a request that reaches a runner anyway (the engine's
+    own submit checks nothing of it) must not take the stage, and every request on it, down with it."""
+    engine = start_engine(tiny_with_tokenizer, 2)
     broken = SamplingParams(constraint=Constraint(kind="regex", source="(", end=(1,)))
     assert (
         len(engine.submit([5, 6, 7], max_tokens=8, sampling=broken, stop_tokens=[1]).tokens(timeout=60)) <= 1
@@ -273,5 +320,30 @@ def test_a_constraint_that_fails_in_the_runner_ends_its_own_request_not_the_stag
     assert engine.recoveries == []
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    text = load_tokenizer(model).decode([t for t in out if t != 1])
+    text = load_tokenizer(tiny_with_tokenizer).decode([t for t in out if t != 1])
+    assert len(text) == 3 and text.isdigit(), text
+
+
+@pytest.mark.timeout(180)
+def test_a_tokenizer_build_that_holds_the_gil_past_the_heartbeat_timeout_stalls_no_stage(
+    tiny_with_tokenizer: Path, start_engine
+) -> None:
+    """Building the constraint tokenizer holds the GIL (0.3 s for this 49k vocabulary on an idle machine,
+    seconds on a loaded one or for a larger vocabulary), so the runner's heartbeat cannot beat meanwhile. Here
+    it holds it past the heartbeat timeout in every generation: no stage may be called stalled for it, and
+    constrained requests are served as without it."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from shardline.runner.spec import Fault
+
+    hold = Fault(phase="load", action="hold_gil", seconds=FAST["heartbeat_timeout"] + 1.0)
+    engine = start_engine(
+        tiny_with_tokenizer, 2, faults={0: hold, 1: hold}, faults_every_generation=True, **FAST
+    )
+    digits = SamplingParams(constraint=Constraint(kind="regex", source="[0-9]{3}", end=(1,)))
+    first = engine.submit([5, 6, 7], max_tokens=8, sampling=digits, stop_tokens=[1]).tokens(timeout=60)
+    again = engine.submit([5, 6, 7], max_tokens=8, sampling=digits, stop_tokens=[1]).tokens(timeout=60)
+    assert engine.recoveries == []
+    assert first == again
+    text = load_tokenizer(tiny_with_tokenizer).decode([t for t in first if t != 1])
     assert len(text) == 3 and text.isdigit(), text

@@ -103,6 +103,26 @@ def test_a_step_that_reserves_a_long_prompts_cache_gets_the_time_to_allocate_it(
 
 
 @pytest.mark.timeout(10)
+def test_announced_work_extends_the_silence_and_the_step_deadline_by_its_grace():
+    """A runner about to hold the GIL (building the constraint tokenizer) or to compile a large grammar says
+    how long that may take, in a beat sent before: neither its silence nor its step is a stall within it."""
+    s = _serving()
+    warmup = [m.StepTime(n=1, context=1, seconds=0.05), m.StepTime(n=64, context=64, seconds=0.1)]
+    cs.apply(s, m.Ready(stage=1, pid=11, weight_bytes=1, layers=(1, 2), warmup=warmup), 0, 100.0)
+    cs.apply(s, m.Heartbeat(stage=0, steps=1, busy=False), 0, 100.0)
+    quiet = m.Heartbeat(stage=1, steps=3, busy=False, grace_s=5.0)
+    cs.apply(s, quiet, 0, 100.0)
+    assert cs._stage_problem(s, CFG, 106.9, 1) is None  # 2 s timeout + 5 s grace
+    assert cs._stage_problem(s, CFG, 107.1, 1) == "stage 1 stalled: no heartbeat for 7.1s"
+    busy = m.Heartbeat(stage=1, steps=3, busy=True, busy_for_s=1.5, busy_n=1, busy_context=65)
+    cs.apply(s, busy, 0, 100.0)
+    assert "stalled: one step of 1 positions" in cs._stage_problem(s, CFG, 100.1, 1)  # 1 s deadline
+    cs.apply(s, busy.model_copy(update={"grace_s": 5.0}), 0, 100.0)
+    assert cs._stage_problem(s, CFG, 100.1, 1) is None
+    assert "stalled: one step of 1 positions" in cs._stage_problem(s, CFG, 104.6, 1)  # 1.5 + 4.6 > 1 + 5
+
+
+@pytest.mark.timeout(10)
 def test_other_generations_and_stages_are_dropped():
     s = _serving()
     cs.apply(s, m.RunnerExited(generation=7, stage=0, pid=1, code=1), 7, 100.0)

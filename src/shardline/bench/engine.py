@@ -39,8 +39,8 @@ LLAMA_PROMPT, LLAMA_GEN = 512, 128  # llama-bench's pp512 / tg128, and our one-s
 _BARE_RUNNER = (
     "import sys, mlx.core as mx, mlx_lm, zenoh, shardline.runner.worker, shardline.runner.leader; "
     "mx.eval(mx.ones(8) + 1); "
-    # With a tokenizer.json: also the constraint engine's tokenizer, which the sampling stage loads at its
-    # first constrained request and keeps.
+    # With a tokenizer.json: also the constraint engine's tokenizer, which the sampling stage builds at its
+    # warm-up and keeps.
     "from shardline.compute.constraints import Matchers; "
     "len(sys.argv) > 1 and Matchers(__import__('pathlib').Path(sys.argv[1])).tokenizer(0); "
     "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0])"

@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +70,32 @@ def problem(c: Constraint) -> str | None:
     return error or None
 
 
+# ---- what the work may take ---------------------------------------------------------------------------
+
+# Bounds of the two costly steps, per unit of their input, for a heavily loaded machine. Measured on an idle
+# one: building the tokenizer of the default model (a 3.5 MB tokenizer.json, 49k tokens) takes 0.38 s, all
+# of it holding the GIL (~0.11 us a byte; a loaded machine took ~10x); compiling the grammar of a 200,000
+# character JSON schema (181,000 characters of grammar) takes 0.5 s with the GIL released (~2.8 us a
+# character). A bound errs long: it only delays calling a runner that hangs in this work stalled.
+TOKENIZER_S_PER_BYTE = 2e-6
+COMPILE_S_PER_CHAR = 2e-5
+COMPILED_KEPT = 8  # compiled grammars kept for later requests (a client repeats its schema)
+
+
+def tokenizer_grace_s(tokenizer_bytes: int) -> float:
+    """How long building the constraint tokenizer from a tokenizer.json of this size may take."""
+    return TOKENIZER_S_PER_BYTE * tokenizer_bytes
+
+
+def compile_grace_s(grammar_chars: int) -> float:
+    """How long compiling a grammar of this size against the tokenizer may take."""
+    return COMPILE_S_PER_CHAR * grammar_chars
+
+
+def _no_grace(seconds: float) -> AbstractContextManager[object]:
+    return nullcontext()
+
+
 # ---- the mask ------------------------------------------------------------------------------------------
 
 
@@ -98,40 +126,86 @@ class _Entry:
 
 
 class Matchers:
-    """One stage's matchers, per request, and the tokenizer they share (loaded at first use).
+    """One stage's matchers, per request, and the tokenizer they share (built by `load`, at the stage's
+    warm-up, or at first use).
 
     Every matcher call runs on one worker thread (a matcher is not thread-safe): `prepare` starts a step's
     masks there as the step arrives, so they are computed while the stage runs its layers, and `masks`
-    collects them (or computes those not prepared)."""
+    collects them (or computes those not prepared).
 
-    def __init__(self, tokenizer_json: Path | None) -> None:
+    A grammar is compiled once and each request's matcher copied from it (a copy costs microseconds, a
+    compile up to seconds): the n choices of one request share one compile, and so do later requests with
+    the same constraint. `grace(seconds)` wraps each costly piece of work, sized to it: the runner tells its
+    controller how long that work may take before it starts."""
+
+    def __init__(
+        self,
+        tokenizer_json: Path | None,
+        grace: Callable[[float], AbstractContextManager[object]] = _no_grace,
+    ) -> None:
         self.tokenizer_json = tokenizer_json
+        self.grace = grace
         self._tokenizer: Any = None
         self._vocab = 0
         self._entries: dict[str, _Entry] = {}
+        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()  # never-advanced matchers, newest last
         self._pool: ThreadPoolExecutor | None = None
         self._prepared: dict[tuple[str, int, int], Future[np.ndarray]] = {}
         self._lock = threading.Lock()
+        self.on_build: Callable[[], None] | None = None  # injected faults: at the tokenizer's build
 
     @property
     def loaded(self) -> bool:
         return self._tokenizer is not None
 
+    @property
+    def available(self) -> bool:
+        """Whether the model ships the tokenizer constrained decoding needs."""
+        return self.tokenizer_json is not None and self.tokenizer_json.is_file()
+
+    def load(self, vocab: int) -> None:
+        """Build the tokenizer now, on the worker thread, and wait for it: at warm-up, under the load
+        deadline, rather than in a request's step."""
+        self._run(lambda: self.tokenizer(vocab)).result()
+
+    def _build(self, **kw: Any) -> Any:
+        from llguidance import LLTokenizer
+
+        assert self.tokenizer_json is not None
+        # The build holds the GIL throughout (no other thread of the process runs, its heartbeat included).
+        with self.grace(tokenizer_grace_s(self.tokenizer_json.stat().st_size)):
+            if self.on_build is not None:
+                self.on_build()
+            return LLTokenizer(str(self.tokenizer_json), **kw)
+
     def tokenizer(self, vocab: int) -> Any:
         if self._tokenizer is None or self._vocab != vocab:
-            from llguidance import LLTokenizer
-
-            if self.tokenizer_json is None or not self.tokenizer_json.is_file():
+            if not self.available:
                 raise FileNotFoundError("constrained decoding needs the model's tokenizer.json")
-            tok = LLTokenizer(str(self.tokenizer_json))
+            tok = self._build()
             # A head padded past the tokenizer's tokens (common) needs them counted; a head smaller than the
             # tokenizer (tiny test models) takes the first `vocab` bits of each mask.
-            self._tokenizer = (
-                tok if tok.vocab_size >= vocab else LLTokenizer(str(self.tokenizer_json), n_vocab=vocab)
-            )
+            self._tokenizer = tok if tok.vocab_size >= vocab else self._build(n_vocab=vocab)
             self._vocab = vocab
             self._entries.clear()
+            self._compiled.clear()
         return self._tokenizer
+
+    def _matcher(self, c: Constraint, tok: Any) -> Any:
+        """A fresh matcher of the constraint: a copy of its compiled grammar, compiled on first use."""
+        from llguidance import LLMatcher
+
+        compiled = self._compiled.get(c)
+        if compiled is None:
+            grammar = grammar_of(c)
+            # The compile releases the GIL, but the step that needs its mask waits for it.
+            with self.grace(compile_grace_s(len(grammar))):
+                compiled = LLMatcher(tok, grammar, log_level=0)
+            self._compiled[c] = compiled
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(c)
+        return compiled.deep_copy()
 
     def mask(self, request_id: str, c: Constraint, output: list[int], vocab: int) -> np.ndarray:
         """The allowed tokens after `output`: the cached matcher advanced, or rebuilt when out of step.
@@ -147,14 +221,11 @@ class Matchers:
             return only_end
 
     def _mask(self, request_id: str, c: Constraint, output: list[int], vocab: int) -> np.ndarray:
-        from llguidance import LLMatcher
-
         tok = self.tokenizer(vocab)
         e = self._entries.get(request_id)
         n = len(e.tokens) if e is not None else 0
         if e is None or e.constraint != c or n > len(output) or output[:n] != e.tokens:
-            matcher = LLMatcher(tok, grammar_of(c), log_level=0)
-            e = self._entries[request_id] = _Entry(c, matcher, [])
+            e = self._entries[request_id] = _Entry(c, self._matcher(c, tok), [])
         if len(output) > len(e.tokens):
             e.matcher.consume_tokens(output[len(e.tokens) :])  # a refused token leaves it in error
             e.tokens = list(output)

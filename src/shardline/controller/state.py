@@ -242,12 +242,15 @@ def _stage_problem(state: InstanceState, cfg: ControllerConfig, now: float, stag
         return f"{name} {_exit_text(v.exited)}"
     if v.stopped:
         return f"{name} stalled: its process is stopped (SIGSTOP)"
-    if v.alive and now - v.last_heard > cfg.heartbeat_timeout:
-        return f"{name} stalled: no heartbeat for {now - v.last_heard:.1f}s"
     hb = v.heartbeat
+    # Work the runner announced, sized to that work (a tokenizer build that holds the GIL, a grammar's
+    # compile): it may stay silent, and its step run, that much longer.
+    grace = hb.grace_s if hb is not None else 0.0
+    if v.alive and now - v.last_heard > cfg.heartbeat_timeout + grace:
+        return f"{name} stalled: no heartbeat for {now - v.last_heard:.1f}s"
     if hb is not None and hb.busy:
         running = hb.busy_for_s + (now - v.heartbeat_at)
-        deadline = cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context, hb.busy_reserve)
+        deadline = grace + cfg.policy.step(state.speeds[stage], hb.busy_n, hb.busy_context, hb.busy_reserve)
         if running > deadline:
             return (
                 f"{name} stalled: one step of {hb.busy_n} positions running for {running:.1f}s "

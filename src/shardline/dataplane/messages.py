@@ -296,6 +296,11 @@ class Heartbeat(Wire):
     kv_peak_bytes: int = 0
     weight_bytes: int = 0
     constraint_tokenizer: bool = False  # it loaded the constraint engine's tokenizer (a fixed cost, ~40 MB)
+    # Seconds of bounded work under way, sized to that work: building the constraint tokenizer holds the GIL
+    # (no beat can be sent), compiling a request's grammar lengthens its step. The runner may stay silent
+    # this much past the heartbeat timeout after this beat, and its current step may run this much past its
+    # deadline. Sent just before the work starts; 0 once it is done.
+    grace_s: float = Field(0.0, ge=0)
     # A tensor-parallel face: its group's sums, microseconds each (p50, p99) over its recent decode steps
     # and prefill chunks, and how many it made.
     group_sums: int = 0

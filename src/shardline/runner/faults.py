@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -17,6 +18,17 @@ _ONE_SHOT = ("raise", "exit", "hang", "ring_abort", "sigkill", "sigstop")
 
 class InjectedFault(RuntimeError):
     pass
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def hold_gil(seconds: float) -> None:
+    """One native call of `seconds` that keeps the GIL (a PyDLL call never releases it): no other thread of
+    this process runs meanwhile, its heartbeat included, as in a long tokenizer build."""
+    ts = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    ctypes.PyDLL(None).nanosleep(ctypes.byref(ts), None)
 
 
 def _announce(fault: Fault, phase: str) -> None:
@@ -71,6 +83,15 @@ class Faults:
             self.fired = True
             _announce(f, phase)
         return f.seconds
+
+    def at_tokenizer_build(self) -> None:
+        """Where a stage builds its constraint tokenizer: hold the GIL once, if told to."""
+        f = self.fault
+        if f is None or f.action != "hold_gil" or self.fired:
+            return
+        self.fired = True
+        _announce(f, f.phase)
+        hold_gil(f.seconds)
 
     def take_drop(self, action: str, phase: str, steps: int) -> bool:
         """True once, at the fault's moment: the caller swallows one message."""

@@ -11,6 +11,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,7 @@ class RunnerProcess:
         self.busy: tuple[float, int, int, int] | None = None
         self.last_step: m.StepTime | None = None
         self.phase: str = "loading"
+        self.grace_s = 0.0  # announced bounded work under way (Heartbeat.grace_s)
         self.weight_bytes = 0
         self.group = None
 
@@ -112,6 +115,9 @@ class RunnerProcess:
         budget = spec.score_budget or attention.score_budget(spec.prefill_step)
         shard = load_shard(Path(spec.model_dir), layers, budget, spec.member, spec.group)
         self.worker = StageWorker(shard, Path(spec.model_dir), block=spec.prefill_step)
+        if self.worker.matchers is not None:
+            self.worker.matchers.grace = self.grace
+            self.worker.matchers.on_build = lambda: self.faults.at_tokenizer_build()
         self.weight_bytes = shard.weight_bytes()
         self.speed.attn_keys = 6 * shard.hidden_size
         if spec.group > 1:
@@ -227,45 +233,67 @@ class RunnerProcess:
         except Exception:
             pass
 
+    def _beat(self) -> m.Heartbeat:
+        w = self.worker
+        busy = self.busy
+        kv = w.kv_figures() if w else (0, 0)
+        return m.Heartbeat(
+            stage=self.spec.stage,
+            steps=w.steps if w else 0,
+            busy=busy is not None,
+            phase="ready" if self.phase == "ready" else "loading",
+            busy_for_s=time.monotonic() - busy[0] if busy else 0.0,
+            busy_n=busy[1] if busy else 0,
+            busy_context=busy[2] if busy else 0,
+            busy_reserve=busy[3] if busy else 0,
+            last_step=self.last_step,
+            peak_bytes=mx.get_peak_memory(),
+            kv_bytes=kv[0],
+            kv_cached_bytes=kv[1],
+            kv_peak_bytes=w.kv_peak_bytes if w else 0,
+            weight_bytes=self.weight_bytes,
+            constraint_tokenizer=bool(w and w.matchers and w.matchers.loaded),
+            grace_s=self.grace_s,
+            **self._group_figures(),
+            dropped=self.inbox.dropped,
+            requests=len(self.leader.requests) if self.leader else len(w.caches) if w else 0,
+        )
+
     def _heartbeat(self) -> None:
         while True:
             time.sleep(self.spec.heartbeat_s)  # the period of a beat, not a synchronisation
-            w = self.worker
             busy = self.busy
-            busy_for = time.monotonic() - busy[0] if busy else 0.0
-            kv = w.kv_figures() if w else (0, 0)
-            beat = m.Heartbeat(
-                stage=self.spec.stage,
-                steps=w.steps if w else 0,
-                busy=busy is not None,
-                phase="ready" if self.phase == "ready" else "loading",
-                busy_for_s=busy_for,
-                busy_n=busy[1] if busy else 0,
-                busy_context=busy[2] if busy else 0,
-                busy_reserve=busy[3] if busy else 0,
-                last_step=self.last_step,
-                peak_bytes=mx.get_peak_memory(),
-                kv_bytes=kv[0],
-                kv_cached_bytes=kv[1],
-                kv_peak_bytes=w.kv_peak_bytes if w else 0,
-                weight_bytes=self.weight_bytes,
-                constraint_tokenizer=bool(w and w.matchers and w.matchers.loaded),
-                **self._group_figures(),
-                dropped=self.inbox.dropped,
-                requests=len(self.leader.requests) if self.leader else len(w.caches) if w else 0,
-            )
+            beat = self._beat()
             if busy is not None:
                 watchdog = self.spec.watchdog_factor * self.policy.step(self.speed, *busy[1:])
-                if busy_for > watchdog:
+                if beat.busy_for_s > watchdog + beat.grace_s:
                     # Our own watchdog: a step this far past its deadline means this process is wedged (a
                     # stuck kernel, a lost peer). Exit with a typed reason rather than limp on.
-                    self.die("deadline", f"step running for {busy_for:.1f}s (watchdog {watchdog:.1f}s)")
+                    self.die(
+                        "deadline", f"step running for {beat.busy_for_s:.1f}s (watchdog {watchdog:.1f}s)"
+                    )
             try:
                 self.status.send(beat)
                 if self.leader is not None and self.phase == "ready":
                     self.leader.beat()
             except TransportError:
                 return
+
+    @contextmanager
+    def grace(self, seconds: float) -> Iterator[None]:
+        """Bounded work of about `seconds` at most, which may hold the GIL (so no beat goes out while it
+        runs) or lengthen the current step: a beat sent before it starts tells the controller to wait that
+        much longer. Within a step the grace lasts to the step's end (the step's time includes the work)."""
+        self.grace_s += seconds
+        try:
+            self.status.send(self._beat())
+        except TransportError:
+            pass  # the heartbeat thread reports a lost link
+        try:
+            yield
+        finally:
+            if self.busy is None:
+                self.grace_s = 0.0
 
     def _group_figures(self) -> dict[str, Any]:
         g = self.group
@@ -315,6 +343,7 @@ class RunnerProcess:
             time.sleep(self.faults.slow_s(phase, self.worker.steps))
         finally:
             self.busy = None
+            self.grace_s = 0.0
         seconds = time.monotonic() - started
         self.last_step = m.StepTime(n=step.n, context=context, seconds=seconds, reserve=step.reserve)
         self.speed.observe(step.n, context, seconds, step.reserve)

@@ -20,14 +20,25 @@ class Fault(BaseModel):
     """A failure to inject (tests, chaos bench): at `phase`, after `after_steps` steps of this stage.
 
     `slow` adds `seconds` to every step from `phase` on (a slow machine, still progressing); `drop_message`
-    swallows this stage's outgoing ring message of one step; `drop_token` (stage 0) swallows one token event.
+    swallows this stage's outgoing ring message of one step; `drop_token` (stage 0) swallows one token event;
+    `hold_gil` holds the GIL for `seconds` where the stage builds its constraint tokenizer (as a large
+    vocabulary's build does), whatever the phase.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     phase: Literal["load", "warmup", "prefill", "decode"]
     action: Literal[
-        "raise", "exit", "hang", "ring_abort", "sigkill", "sigstop", "slow", "drop_message", "drop_token"
+        "raise",
+        "exit",
+        "hang",
+        "ring_abort",
+        "sigkill",
+        "sigstop",
+        "slow",
+        "drop_message",
+        "drop_token",
+        "hold_gil",
     ]
     after_steps: int = 0
     seconds: float = 0.0

@@ -308,7 +308,11 @@ class StageWorker:
 
     def warm_up(self, chunk: int, delay: Callable[[], float]) -> list[StepTime]:
         """Throwaway steps of one position and of one prefill chunk: first-touch allocation is paid here,
-        and their timings seed the step deadlines before any real step runs."""
+        and their timings seed the step deadlines before any real step runs. The stage that samples builds
+        its constraint tokenizer here too, under the load deadline: built at a request's first constrained
+        step, its GIL-holding build would lengthen that step, in every fresh runner."""
+        if self.matchers is not None and self.matchers.available and self.vocab > 0:
+            self.matchers.load(self.vocab)
         timings = []
         for n in sorted({1, max(1, chunk)}):
             cache = self.shard.make_cache(self.block)

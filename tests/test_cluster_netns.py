@@ -64,6 +64,7 @@ def views():
             continue
         last = v
         say("view", term=v.term, master=v.master, nodes=[[n.node_id, n.alive] for n in v.nodes],
+            members=sorted(v.membership.members) if v.membership and v.membership.committed else [],
             instances=[{"instance": r.instance, "generation": r.generation, "phase": r.phase,
                         "recoveries": r.recoveries, "stages": [s.node_id for s in r.stages],
                         "members": [s.member for s in r.stages], "layout": r.layout}
@@ -594,6 +595,72 @@ def test_even_split_elects_on_one_side_only_and_a_minority_master_steps_down_onc
     terms = [line.rsplit(" ", 1)[-1] for line in elected]
     assert len(terms) == len(set(terms)), elected  # one winner per term, across every node's log
     print(f"\nmasters by term: {dict(sorted((t, sorted(m)) for t, m in seen.items()))}")
+
+
+def wait_log(node: LabNode, text: str, timeout: float, what: str) -> float:
+    """The time `text` first shows in the node's log, waiting up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while text not in node.tail(lines=0):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s; {node.tail()}"
+        time.sleep(0.05)  # polling its log, bounded by the deadline
+    return time.monotonic()
+
+
+@pytest.mark.timeout(300)
+def test_five_nodes_cut_two_three_the_minority_master_steps_down_and_its_survivor_never_elects(make_lab):
+    """The review's case: master n2, cut {n1, n2} | {n3, n4, n5}; n3's side elects, n2 steps down within its
+    lease, n2 dies, and n1, alone with the views n2 shrank to {n1, n2}, must not elect itself."""
+    lab = make_lab("slcf", 7)
+    five = {"n1", "n2", "n3", "n4", "n5"}
+    for i, node_id in enumerate(("n2", "n3", "n4", "n5"), start=1):
+        lab.node(i, node_id)
+    right = lab.client(6, via=["n3", "n4"])
+    right.view(lambda v: v["master"] == "n2" and len(alive(v)) == 4, 60, "n2-n5 alive, n2 master")
+    lab.node(0, "n1")  # joins the sitting master's cluster: the membership grows by a committed change
+    left = lab.client(5, via=["n1", "n2"])
+    for c in (left, right):
+        c.view(lambda v: v["master"] == "n2" and set(v["members"]) == five, 60, "n1 a member, n2 master")
+    left.send(cmd="place", stages=2, timeout=60)
+    ready = left.event("ready", 90, "the instance ready", cmd="place")
+    instance = ready["instance"]
+
+    lab.net.split([[0, 1, 5], [2, 3, 4, 6]])
+    t_cut = time.monotonic()
+    cut = len(right.events)
+    right.view(lambda v: v["master"] == "n3" and v["term"] > 1, 30, "n3 master of a new term", cut)
+    down = wait_log(lab.nodes["n2"], "is no longer master", 30, "the cut-off master n2 steps down")
+    print(f"\nn2 stepped down {down - t_cut:.2f}s after the cut (lease {LEASE_S}s)")
+
+    lab.nodes["n2"].process().kill()  # n1 is alone now, with the views n2 shrank to {n1, n2}
+    t_dead = len(right.events)
+    for _ in fresh_views(right, 20, "views on n3's side while n1 is alone"):
+        pass  # ten seconds of views: old code elects n1 within two leases
+    assert "becomes master" not in lab.nodes["n1"].tail(lines=0), lab.nodes["n1"].tail()
+    assert all(v["master"] != "n1" for v in left.events if v["ev"] == "view"), "n1 published a view"
+    assert all(v["master"] == "n3" for v in right.events[t_dead:] if v["ev"] == "view")
+
+    lab.net.heal()
+    live = five - {"n2"}
+    for c in (left, right):
+        c.view(lambda v: v["master"] == "n3" and alive(v) == live, 60, "healed: n3 master", len(c.events))
+    seen = masters_by_term(left, right)
+    assert all(len(m) == 1 for m in seen.values()), f"two masters in one term: {seen}"
+
+    # One ring of the instance: the runners on the live nodes are the current generation's stages, one each
+    # (a runner handed over to a newer generation keeps its first one on its command line: count, not ids).
+    def holders() -> list[str]:
+        return sorted(n for n in live for i, _, _, _ in lab.nodes[n].runners() if i == instance)
+
+    def ready(v: dict[str, Any]) -> bool:
+        return any(r["instance"] == instance and r["phase"] == "ready" for r in v["instances"])
+
+    at = right.view(ready, 60, "the instance ready after healing", len(right.events))
+    (rec,) = [r for r in right.events[at]["instances"] if r["instance"] == instance]
+    deadline = time.monotonic() + 30
+    while holders() != sorted(rec["stages"]):
+        assert time.monotonic() < deadline, f"runners on {holders()}, generation {rec} on {rec['stages']}"
+        time.sleep(0.1)  # polling the process table, bounded by the deadline
+    print(f"masters by term: {dict(sorted((t, sorted(m)) for t, m in seen.items()))}, generation {rec}")
 
 
 # A raw capture inside the lab's switch namespace: every frame on every port, appended to a file as it comes.

@@ -345,3 +345,19 @@ def test_a_voter_refuses_a_candidate_with_an_older_membership() -> None:
     behind = cm.Claim(term=2, candidate="c", members=old.members, membership=old)
     assert cs.grant(v, behind) is None
     assert cs.grant(v, behind.model_copy(update={"membership": new})) is not None
+
+
+@pytest.mark.timeout(10)
+def test_an_operator_forgets_a_dead_member_by_a_committed_change() -> None:
+    sim = formed(3)
+    sim.die("n2")
+    sim.settle(1)
+    master = sim.states["n0"]
+    assert cs.forget(master, "n1") != ""  # alive: it is not forgotten
+    assert cs.forget(sim.states["n1"], "n2") != ""  # not the master
+    assert cs.forget(master, "n2") == ""
+    sim.settle(3)
+    assert all(
+        s.membership is not None and s.membership.members == ["n0", "n1"] for s in (master, sim.states["n1"])
+    )
+    assert master.membership is not None and master.membership.committed and master.is_master

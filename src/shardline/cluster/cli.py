@@ -345,6 +345,15 @@ def cmd_cluster_add_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster_forget(args: argparse.Namespace) -> int:
+    from shardline.cluster.client import ClusterClient
+
+    with ClusterClient([args.cluster], args.namespace, credentials(args)) as client:
+        client.forget(args.node)
+    print(f"{args.node}: removal from the membership proposed; it is committed once a quorum holds it")
+    return 0
+
+
 def cmd_cluster_revoke(args: argparse.Namespace) -> int:
     from shardline.trust import ca
     from shardline.trust.credentials import CredentialsError
@@ -524,6 +533,16 @@ def add_commands(sub: Any) -> None:
     rev.add_argument("dir", type=Path, help="the folder `cluster init` made")
     rev.add_argument("name", help="the node or client whose certificate is revoked")
     rev.set_defaults(func=cmd_cluster_revoke)
+    fgt = csub.add_parser(
+        "forget", help="remove a member that died for good, so it no longer counts against the quorum"
+    )
+    fgt.add_argument("node", help="the dead member's node id")
+    fgt.add_argument(
+        "--cluster", default=f"tcp/127.0.0.1:{DEFAULT_PORT}", help="endpoint of any node of the cluster"
+    )
+    fgt.add_argument("--namespace", default="shardline", help="the cluster's namespace")
+    add_credential_args(fgt)
+    fgt.set_defaults(func=cmd_cluster_forget)
 
     place = sub.add_parser("place", help="place a model on a running cluster (or preview with --dry-run)")
     place.add_argument("model", help="the model to place (a name some node holds)")

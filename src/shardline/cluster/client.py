@@ -123,7 +123,7 @@ class ClusterClient:
 
     # ---- queries to the master -----------------------------------------------------------------------------
 
-    def ask(self, query: cm.Place | cm.Remove, timeout: float = 30.0) -> cm.MasterReply:
+    def ask(self, query: cm.Place | cm.Remove | cm.Forget, timeout: float = 30.0) -> cm.MasterReply:
         """Send a query to whichever node is master; retried until one answers within the timeout."""
         deadline = time.monotonic() + timeout
         if not query.nonce:
@@ -157,6 +157,16 @@ class ClusterClient:
             query = cm.Remove(instance=instance)
         except ValidationError as exc:
             raise ClusterError(f"{instance!r} is not an instance id") from exc
+        reply = self.ask(query)
+        if not reply.ok:
+            raise ClusterError(reply.error)
+
+    def forget(self, node: str) -> None:
+        """Remove a member that died from the agreed membership (it no longer counts against the quorum)."""
+        try:
+            query = cm.Forget(node=node)
+        except ValidationError as exc:
+            raise ClusterError(f"{node!r} is not a node id") from exc
         reply = self.ask(query)
         if not reply.ok:
             raise ClusterError(reply.error)

@@ -57,6 +57,7 @@ class Master:
         publish: Callable[[cm.ClusterView], None],
         log_events: Callable[[list[cm.ClusterEvent]], None],
         reuse: bool = True,
+        forget: Callable[[str], str] = lambda node: "membership changes are not served here",
     ) -> None:
         """post: puts an event on the node's loop queue (it comes back through `step`); publish: sends a
         view to the cluster; log_events: keeps cluster events in the node's state (the views show them)."""
@@ -71,6 +72,7 @@ class Master:
         self._post = post
         self._publish = publish
         self._log_events = log_events
+        self._forget = forget  # an operator's removal of a dead member: why not, or ""
         self._pending: dict[int, zenoh.Query] = {}
         self._qids = itertools.count()
         self._closed = False
@@ -114,6 +116,10 @@ class Master:
         except Exception as exc:  # a bad query gets an error, never reaches the master's state
             reply = cm.MasterReply(ok=False, error=f"{type(exc).__name__}: {exc}", term=self.term)
             self._send(query, reply)
+            return
+        if isinstance(q, cm.Forget):  # the agreed membership is the node's (cluster/state.py: forget)
+            why = self._forget(q.node)
+            self._send(query, cm.MasterReply(ok=not why, error=why, term=self.term))
             return
         qid = next(self._qids)
         self._pending[qid] = query

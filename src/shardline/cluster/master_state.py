@@ -286,6 +286,8 @@ def _query(state: MasterState, event: QueryIn) -> tuple[MasterState, list[Comman
     # A client that retried (its first answer was slow or lost) gets the first answer again.
     if q.nonce and q.nonce in state.answered:
         return state, [Reply(event.qid, state.answered[q.nonce])]
+    if isinstance(q, cm.Forget):  # the node's membership, answered by the shell (cluster/master.py)
+        return state, [Reply(event.qid, cm.MasterReply(ok=False, error="not here", term=state.term))]
     if isinstance(q, cm.Remove):
         state, reply, out = _remove(state, q, event.at)
     else:

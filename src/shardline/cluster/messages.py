@@ -214,7 +214,16 @@ class Remove(Wire):
     nonce: str = ""
 
 
-MasterQuery = Annotated[Place | Remove, Field(discriminator="kind")]
+class Forget(Wire):
+    """An operator's word that a member that died will not return: the master removes it from the agreed
+    membership (a committed change), so that it no longer counts against the quorum."""
+
+    kind: Literal["forget"] = "forget"
+    node: Name
+    nonce: str = ""
+
+
+MasterQuery = Annotated[Place | Remove | Forget, Field(discriminator="kind")]
 QUERY = TypeAdapter(MasterQuery)
 
 

@@ -397,6 +397,13 @@ class Node:
         with self.lock:
             return ms.snapshot(self.state, time.monotonic(), time.time())
 
+    def _forget(self, node: str) -> str:
+        """Called from zenoh's thread: an operator's removal of a dead member (committed by the loop)."""
+        with self.lock:
+            why = cs.forget(self.state, node)
+        log.warning("forget %s: %s", node, why or "removal proposed")
+        return why
+
     def _log_events(self, events: list[cm.ClusterEvent]) -> None:
         with self.lock:
             self.state.events.extend(events)
@@ -420,6 +427,7 @@ class Node:
             post=self._events.put,
             publish=self.publish_view,
             log_events=self._log_events,
+            forget=self._forget,
             reuse=r.reuse_survivors,
         )
 

@@ -97,6 +97,7 @@ class ClusterState:
     membership: cm.Membership | None = None  # agreed; None until the first master forms it
     membership_at: tuple[int, int] = (0, 0)  # (term, seq) of the view it came from: older views never undo it
     refused_terms: int = 0  # claims, views, reports and votes dropped for a term out of bounds
+    forgotten: set[str] = field(default_factory=set)  # the master's: dead members an operator removes
     candidacy: Candidacy | None = None
     deferred: cm.Claim | None = None  # refused while the sitting master seemed alive: reconsidered each step
     # node -> the time of its newest notice folded in: a notice repeats in its reports, it is logged once
@@ -248,9 +249,10 @@ def reconfigure(state: ClusterState) -> bool:
             return True
         return False
     now = set(m.members)
+    state.forgotten &= now - state.alive  # removed already, or back
     leaving = {n for n, (r, _) in state.departed.items() if r.leaving}
     leaving |= {n for n, r in state.reports.items() if r.leaving}
-    gone = sorted((now & leaving) - {state.me})
+    gone = sorted((now & (leaving | state.forgotten)) - {state.me})
     joined = sorted(
         n for n, r in state.reports.items() if n in state.alive and not r.leaving and n not in now
     )
@@ -264,6 +266,21 @@ def reconfigure(state: ClusterState) -> bool:
         members=sorted(new), version=m.version + 1, term=state.term, committed=False, base=sorted(now)
     )
     return True
+
+
+def forget(state: ClusterState, node: str) -> str:
+    """An operator removes a member that died (the master's `reconfigure` commits it); why not, or ""."""
+    m = state.membership
+    if not state.is_master or m is None:
+        return "this node is not the master"
+    if node not in m.members:
+        return f"{node} is not a member"
+    if node in state.alive or node == state.me:
+        return f"{node} is alive: stop it (a clean shutdown leaves the membership by itself)"
+    if len(m.members) == 1:
+        return "the last member"
+    state.forgotten.add(node)
+    return ""
 
 
 def durable(state: ClusterState) -> dict[str, object]:

@@ -350,7 +350,7 @@ def test_last_slot_goes_to_prefill_so_decoders_cannot_starve_it() -> None:
     assert isinstance(step, FeedStep) and step.request_id == "new" and step.pos == 0
 
 
-# ---- KV as it is used ---------------------------------------------------------------------------------------
+# ---- KV as it is used -------------------------------------------------------------------------------------
 
 
 def test_a_reservation_grows_a_block_at_a_time() -> None:

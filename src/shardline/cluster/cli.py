@@ -275,6 +275,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         shutil.rmtree(tls_root, ignore_errors=True)  # a fresh CA per run: nothing old is trusted
         ca.init(tls_root, [f"node-{i}" for i in range(args.nodes)])
         creds = Credentials(creds.key, tls_root / "nodes" / "client")
+    from shardline.cluster.node import ELECTION_FILE
+
+    # `up` starts every node of its cluster at once: they form a fresh membership of these N (a run with
+    # fewer nodes than the last must not wait for members that will never start).
+    for i in range(args.nodes):
+        (base / f"node-{i}" / ELECTION_FILE).unlink(missing_ok=True)
     extra = ["--models-dir", str(model_dir.parent), *node_flags(args)]
     procs, endpoint = start_nodes(
         args.nodes, base, args.port, extra, not args.verbose, args.api_port, creds, tls_root

@@ -1,7 +1,8 @@
 """The cluster as one node knows it: a fold over liveliness, node reports and master views.
 
 `apply` folds one event in; the decisions are pure functions of the state: `campaign`, `grant` and `count`
-(elections, cluster/election.py), `node_losses` (instances whose stages sit on nodes that left),
+(elections, cluster/election.py), `reconfigure` and `forget` (the agreed membership), `durable` and `restore`
+(what a node keeps across restarts), `node_losses` (instances whose stages sit on nodes that left),
 `stale_runners` (runners a node must kill because the newest view no longer lists their generation),
 `capacities` (what placement may use), `expected_digest` and `sources` (what a model's copies must be, and
 who holds such a copy).

@@ -119,7 +119,7 @@ def test_mask_opens_an_object_and_ends_only_once_the_grammar_accepts(model_dir, 
 
 @pytest.mark.timeout(120)
 def test_a_grammar_is_compiled_once_for_every_request_that_uses_it_each_within_an_announced_grace(
-    model_dir, tokenizer_json, hf
+    model_dir, tokenizer_json, hf, monkeypatch
 ):
     """The n choices of one request (and later requests with the same constraint) share one compile: each
     matcher is a copy of it, and masks are what a matcher compiled for the request alone gives. The build
@@ -154,6 +154,13 @@ def test_a_grammar_is_compiled_once_for_every_request_that_uses_it_each_within_a
         alone.consume_tokens(out)
         assert np.array_equal(mask, allowed(alone, END, vocab, list(tok.eos_tokens)))
     assert np.array_equal(again, got[2])
+    # Past the budget of kept grammars only the newest stays: an older one is compiled again when next used.
+    from shardline.compute import constraints
+
+    monkeypatch.setattr(constraints, "COMPILED_KEPT_CHARS", 0)
+    m.mask("newest", other, [], vocab)
+    assert np.array_equal(m.mask("evicted", c, ids[2], vocab), got[2])
+    assert len(announced) == 4 and announced[3] == announced[1]
     m.close()
 
 

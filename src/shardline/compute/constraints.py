@@ -79,7 +79,10 @@ def problem(c: Constraint) -> str | None:
 # character). A bound errs long: it only delays calling a runner that hangs in this work stalled.
 TOKENIZER_S_PER_BYTE = 2e-6
 COMPILE_S_PER_CHAR = 2e-5
-COMPILED_KEPT = 8  # compiled grammars kept for later requests (a client repeats its schema)
+# Compiled grammars kept for later requests (a client repeats its schema), newest first, up to this much
+# grammar: a compiled grammar takes ~70 bytes a character (12.8 MB for the schema above), so ~35 MB. Copies
+# held by live requests share their grammar and cost ~0.1 MB each.
+COMPILED_KEPT_CHARS = 500_000
 
 
 def tokenizer_grace_s(tokenizer_bytes: int) -> float:
@@ -148,7 +151,8 @@ class Matchers:
         self._tokenizer: Any = None
         self._vocab = 0
         self._entries: dict[str, _Entry] = {}
-        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()  # never-advanced matchers, newest last
+        # never-advanced matchers and their grammar's length, newest last
+        self._compiled: OrderedDict[Constraint, tuple[Any, int]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._prepared: dict[tuple[str, int, int], Future[np.ndarray]] = {}
         self._lock = threading.Lock()
@@ -195,17 +199,17 @@ class Matchers:
         """A fresh matcher of the constraint: a copy of its compiled grammar, compiled on first use."""
         from llguidance import LLMatcher
 
-        compiled = self._compiled.get(c)
-        if compiled is None:
+        kept = self._compiled.get(c)
+        if kept is None:
             grammar = grammar_of(c)
             # The compile releases the GIL, but the step that needs its mask waits for it.
             with self.grace(compile_grace_s(len(grammar))):
-                compiled = LLMatcher(tok, grammar, log_level=0)
-            self._compiled[c] = compiled
-            while len(self._compiled) > COMPILED_KEPT:
-                self._compiled.popitem(last=False)
+                kept = (LLMatcher(tok, grammar, log_level=0), len(grammar))
+            self._compiled[c] = kept
         self._compiled.move_to_end(c)
-        return compiled.deep_copy()
+        while len(self._compiled) > 1 and sum(n for _, n in self._compiled.values()) > COMPILED_KEPT_CHARS:
+            self._compiled.popitem(last=False)
+        return kept[0].deep_copy()
 
     def mask(self, request_id: str, c: Constraint, output: list[int], vocab: int) -> np.ndarray:
         """The allowed tokens after `output`: the cached matcher advanced, or rebuilt when out of step.

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from conftest import wait_for
 
+from shardline.compute.constraints import compile_grace_s, json_schema
+from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Inbox, Keys, Outbox, open_session
 from shardline.front import front as front_module
@@ -452,3 +454,28 @@ def test_a_stream_past_its_deadline_ends_with_a_timeout_error_in_its_apis_shape(
     shaped = body(err, flavor)  # as streaming.stream_response sends it after the first byte
     text = str(shaped)
     assert "no token came" in text
+
+
+@pytest.mark.timeout(30)
+def test_a_constrained_requests_first_sampling_step_is_allowed_its_grammar_compile() -> None:
+    # The sampling stage compiles a request's grammar within its first sampling step: the leader's backstop
+    # for a lost result must allow that, or a large schema fails a healthy generation on a loaded machine.
+    leader = stand_in_leader(budget_blocks=8)
+    flights: list[Any] = []
+    send = leader._send
+    leader._send = lambda msg, flight, tokens: (flights.append(flight), send(msg, flight, tokens))[1]  # type: ignore[method-assign]
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}
+    constraint = json_schema(schema, end=[0])
+    spec = m.RequestSpec(
+        request_id="c", prompt=[9] * 12, max_tokens=3, sampling=SamplingParams(constraint=constraint)
+    )
+    leader.handle(SimpleNamespace(message=m.Submit(front="f1", seq=1, request=spec)))
+    submit(leader, "plain", prompt=12, max_tokens=3, seq=2)
+    for _ in range(50):
+        leader.act()
+        if not leader.requests:
+            break
+    graced = [(f.request_id, f.n, f.grace) for f in flights if f.grace]
+    # One step: the request's last prompt chunk, which samples; neither its first chunk nor its decode steps.
+    assert graced == [("c", 4, compile_grace_s(len(constraint.source)))]
+    assert compile_grace_s(len(constraint.source)) > 0

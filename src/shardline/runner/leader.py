@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 
+from shardline.compute.constraints import compile_grace_s
 from shardline.compute.kv import round_up
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
@@ -44,6 +45,9 @@ class InFlight:
     sent_at: float = 0.0
     alone: bool = False  # nothing else was in flight: its time around the ring has no queueing in it
     step: m.Step | None = None  # as sent: with a split head, the leader samples it
+    # Seconds allowed on top of the estimate: the sampling stage compiles a constrained request's grammar
+    # within its first sampling step (announced there as grace too), work no step timing has measured.
+    grace: float = 0.0
 
 
 class StageHost(Protocol):
@@ -75,6 +79,7 @@ class Leader:
         # KV is reserved as it is used: each running request's reservation covers this many positions, and
         # grows a block at a time; when the budget is out, the newest request goes back to the queue.
         self.covered: dict[str, int] = {}
+        self.compiled: set[str] = set()  # requests whose grammar was compiled since their prime
         self.preempted: dict[str, m.RequestSpec] = {}  # going back to the queue once nothing is in flight
         self.starved = False  # a running request waits for a block: nothing new is admitted meanwhile
         self.front_of: dict[str, str] = {}  # request -> the front that sent it (its events go there)
@@ -170,7 +175,7 @@ class Leader:
             s.estimate(f.n, f.context, f.reserve) for f in self.in_flight.values() for s in self.stage_speed
         )
         factor = max(3.0, self.spec.watchdog_factor + 1.0)
-        return factor * self.r.policy.clamp(estimate)
+        return factor * self.r.policy.clamp(estimate) + sum(f.grace for f in self.in_flight.values())
 
     # ---- loop -------------------------------------------------------------------------------------------
 
@@ -386,9 +391,21 @@ class Leader:
             seal=seal,
         )
         tokens = req.known[step.pos : step.pos + step.n]
-        self._send(msg, InFlight(step.request_id, step.n, step.pos + step.n, reserve=msg.reserve), [tokens])
+        grace = self._compile_grace(req, first, step.sample)
+        flight = InFlight(step.request_id, step.n, step.pos + step.n, reserve=msg.reserve, grace=grace)
+        self._send(msg, flight, [tokens])
         if attach:
             self.admit()  # its reservation shrank by the blocks it attached
+
+    def _compile_grace(self, req: schedule.LeaderRequest, first: bool, sample: bool) -> float:
+        """The allowance for compiling a request's grammar, on its first sampling step after each prime."""
+        rid, c = req.spec.request_id, req.spec.sampling.constraint
+        if first:
+            self.compiled.discard(rid)  # primed anew (a resume, a preemption): the stage compiles again
+        if c is None or not sample or rid in self.compiled:
+            return 0.0
+        self.compiled.add(rid)
+        return compile_grace_s(len(c.source))
 
     def feed_rows(self, steps: tuple[schedule.FeedStep, ...]) -> None:
         rows = [self._sent(step) for step in steps]
@@ -484,6 +501,7 @@ class Leader:
         req = self.requests.pop(request_id)
         req.released = True
         self.covered.pop(request_id, None)
+        self.compiled.discard(request_id)
         requeue = self.preempted.pop(request_id, None)
         if requeue is None:
             self.held.pop(request_id, None)

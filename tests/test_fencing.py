@@ -61,3 +61,48 @@ def test_a_full_inbox_drops_and_counts_instead_of_stalling_the_sender():
         inbox.close()
     finally:
         session.close()
+
+
+@pytest.mark.timeout(60)
+def test_only_a_stop_of_the_highest_term_shuts_a_ring_down(tmp_path):
+    """A ring's Shutdown comes from its leader's agent, which obeys only the highest master term: a deposed
+    master's stop reaches no runner (it used to send its own, unfenced Shutdown on the control key)."""
+    import subprocess
+    import sys
+    import threading
+
+    from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, open_session
+    from shardline.node import agent as agent_mod
+    from shardline.node.agent import NodeAgent
+    from shardline.runner.spec import RunnerSpec
+    from shardline.supervisor.logs import RotatingLog
+
+    ns = "test-fenced-shutdown"
+    spec = RunnerSpec(
+        instance="inst", generation=1, stage=0, stages=1, model_dir="unused", layer_start=0, layer_end=4,
+        layer_total=4, connect=[], namespace=ns, runner_id="r1",
+    )  # fmt: skip
+    session = open_session([], [])
+    control = Inbox(session, name="control")
+    control.subscribe(Keys("inst", 1, ns).control, m.CONTROL, "control")
+    agent = NodeAgent(session, f"{ns}/agent/n1", tmp_path, obey=lambda term: term >= 2).start()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    pump = threading.Thread(target=lambda: None)
+    agent._runners[("inst", 1, 0)] = agent_mod._Runner(spec, proc, RotatingLog(tmp_path / "r.log"), pump)
+    to_agent = Outbox(session, f"{ns}/agent/n1")
+    try:
+        to_agent.wait_matched(10)
+        to_agent.send(m.StopGeneration(instance="inst", grace_s=1.0, term=1))  # a deposed master's
+        with pytest.raises(DeadlineExceeded):
+            control.get(timeout=2.0)
+        assert proc.poll() is None
+        to_agent.send(m.StopGeneration(instance="inst", grace_s=1.0, term=2))
+        assert isinstance(control.get(timeout=10).message, m.Shutdown)
+        wait_for(lambda: proc.poll() is not None, 15, "the runner stopped")
+    finally:
+        to_agent.close()
+        agent.close()
+        proc.kill()
+        proc.wait(timeout=10)
+        control.close()
+        session.close()

@@ -114,22 +114,14 @@ class InstanceController:
         self._inbox.close()
 
     def stop(self, grace_s: float) -> None:
-        """Stop judging, ask the leader to stop the ring, then have the agent stop every runner."""
+        """Stop judging, then have the agents stop every runner (the leader's agent asks it to stop its ring
+        first: agents obey only the highest master term, so a deposed master stops nothing)."""
         with self._cond:
             self._stopping = True
-            serving = self.state.phase == "serving"
-            generation = self.state.generation
             self.state.phase = "stopped"
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
-        if serving:
-            control = Outbox(self._session, self.keys.at(generation).control, generation)
-            try:
-                control.send(m.Shutdown())
-            except Exception:
-                pass
-            control.close()
         for agent in list(self._agents.values()):
             try:
                 stop = m.StopGeneration(instance=self.keys.instance, keep=-1, grace_s=grace_s, term=self.term)

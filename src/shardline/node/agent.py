@@ -332,7 +332,26 @@ class NodeAgent:
                 if i == instance and g != keep and (not stages or s in stages)
             ]
             self._cancelled |= {k for k in self._pending if k[0] == instance and k[1] != keep}
+        if grace_s > 0:
+            for r in doomed:
+                if r.spec.stage == 0 and r.proc.poll() is None:
+                    self._shut_down(r.spec)
         stop_runners([r.proc for r in doomed], grace=grace_s)
+
+    def _shut_down(self, spec: m.RunnerSpec) -> None:
+        """Ask a leader to stop its ring in order (it ends its requests and tells the next stage).
+
+        Sent by the agent, which obeys only a StopGeneration of the highest term it has seen: a deposed
+        master's controller sends no Shutdown of its own, so it cannot stop a ring the next master adopted."""
+        keys = Keys(spec.instance, spec.generation, spec.namespace)
+        control = Outbox(self.session, keys.control, spec.generation)
+        try:
+            control.wait_matched(1.0)
+            control.send(m.Shutdown())
+        except Exception as exc:
+            log.info("no clean shutdown for %s generation %d: %s", spec.instance, spec.generation, exc)
+        finally:
+            control.close()
 
     def held(self) -> list[tuple[RunnerKey, m.RunnerSpec, int, tuple[int, int]]]:
         """(instance, generation, stage), spec, pid and issuing (term, view seq) of every runner here."""

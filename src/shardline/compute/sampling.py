@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-import annotated_types as at
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,8 +15,8 @@ from shardline.compute.constraints import Constraint
 # request's settings travel once to the stage that samples; these keep them a few kilobytes.
 MAX_LOGIT_BIAS = 300
 MAX_BIAS = 100.0
-BiasToken = Annotated[int, at.Ge(0)]
-Bias = Annotated[float, at.Ge(-MAX_BIAS), at.Le(MAX_BIAS)]
+BiasToken = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 
 class SamplingParams(BaseModel):

@@ -177,3 +177,16 @@ def tokenizer(model_dir: Path) -> Any:
 
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     return [int(t) for t in mx.random.randint(0, vocab, (n,), key=mx.random.key(seed)).tolist()]
+
+
+# Short chat prompts for the default model: eight different answers, none of them long.
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What colour is the sky on a clear day?",
+    "Name a famous painting.",
+    "How many legs does a spider have?",
+]

@@ -9,6 +9,7 @@ import sys
 
 import psutil
 import pytest
+from conftest import PROMPTS
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from shardline.models.registry import resolve_model
@@ -44,18 +45,6 @@ def test_default_model_answers_paris_on_two_stages(default_model, start_engine):
     handle = engine.submit(ids, max_tokens=24, stop_tokens=list(tokenizer.eos_token_ids))
     answer = tokenizer.decode(handle.tokens(timeout=240))
     assert "Paris" in answer, answer
-
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a CPU does in one sentence.",
-    "Translate 'good morning' into Spanish.",
-    "What colour is the sky on a clear day?",
-    "Name a famous painting.",
-    "How many legs does a spider have?",
-]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import FAST, STEP, random_prompt
+from conftest import FAST, PROMPTS, STEP, random_prompt
 
 from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
@@ -191,18 +191,6 @@ def test_garbage_and_other_generations_change_nothing(tiny_models, start_engine,
         assert dropped["front"] >= 3 and dropped["controller"] >= 5, dropped
     finally:
         peer.close()
-
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a CPU does in one sentence.",
-    "Translate 'good morning' into Spanish.",
-    "What colour is the sky on a clear day?",
-    "Name a famous painting.",
-    "How many legs does a spider have?",
-]
 
 
 @pytest.mark.slow

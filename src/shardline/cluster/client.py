@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import zenoh
 from pydantic import ValidationError
@@ -143,33 +144,29 @@ class ClusterClient:
     def place(
         self, model: str, request: PlacementRequest | None = None, dry_run: bool = False
     ) -> cm.MasterReply:
+        return self._command(
+            lambda: cm.Place(model=model, request=request or PlacementRequest(), dry_run=dry_run),
+            f"{model!r} is not a model name (letters, digits, '.', '_', '-')",
+        )
+
+    def remove(self, instance: str) -> None:
+        self._command(lambda: cm.Remove(instance=instance), f"{instance!r} is not an instance id")
+
+    def forget(self, node: str) -> None:
+        """Remove a member that died from the agreed membership (it no longer counts against the quorum)."""
+        self._command(lambda: cm.Forget(node=node), f"{node!r} is not a node id")
+
+    def _command(self, make: Callable[[], Any], invalid: str) -> cm.MasterReply:
+        """Ask the master what `make` builds; ClusterError saying `invalid` when it cannot be built, or the
+        master's own error when it refuses."""
         try:
-            query = cm.Place(model=model, request=request or PlacementRequest(), dry_run=dry_run)
+            query = make()
         except ValidationError as exc:
-            raise ClusterError(f"{model!r} is not a model name (letters, digits, '.', '_', '-')") from exc
+            raise ClusterError(invalid) from exc
         reply = self.ask(query)
         if not reply.ok:
             raise ClusterError(reply.error)
         return reply
-
-    def remove(self, instance: str) -> None:
-        try:
-            query = cm.Remove(instance=instance)
-        except ValidationError as exc:
-            raise ClusterError(f"{instance!r} is not an instance id") from exc
-        reply = self.ask(query)
-        if not reply.ok:
-            raise ClusterError(reply.error)
-
-    def forget(self, node: str) -> None:
-        """Remove a member that died from the agreed membership (it no longer counts against the quorum)."""
-        try:
-            query = cm.Forget(node=node)
-        except ValidationError as exc:
-            raise ClusterError(f"{node!r} is not a node id") from exc
-        reply = self.ask(query)
-        if not reply.ok:
-            raise ClusterError(reply.error)
 
     # ---- requests ------------------------------------------------------------------------------------------
 

@@ -130,7 +130,11 @@ def apply(state: ClusterState, event: Event, now_wall: float) -> list[cm.Cluster
         state.tokens.discard(event.node)  # it leaves once its reports stop too (Tick)
     elif isinstance(event, ReportIn):
         r = event.report
-        if r.node_id in state.alive or r.node_id in state.tokens or r.node_id == state.me:
+        known = r.node_id in state.alive or r.node_id in state.tokens or r.node_id == state.me
+        # A report alone makes a node alive (until its lease), not only one whose token this node holds: a
+        # token event lost on a link that flapped would otherwise hide a live member for good, and a master
+        # would step down for want of a quorum it has. A leaving node's last report brings nothing back.
+        if known or not r.leaving:
             state.reports[r.node_id] = r
             state.heard[r.node_id] = max(state.heard.get(r.node_id, 0.0), event.at)
             if r.node_id not in state.alive:

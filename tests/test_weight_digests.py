@@ -354,5 +354,9 @@ def test_a_nodes_notices_become_events_once_however_often_it_reports_them() -> N
     assert cs.apply(s, cs.ReportIn(_report("b", None, [n1]), at=2.0), 0) == []
     assert cs.apply(s, cs.ReportIn(_report("b", None, [n2, n1]), at=3.0), 0) == [n2]
     assert [e for e in s.events if e.kind == "weights"] == [n1, n2]
-    # A report from a node that is not a member is not folded at all.
-    assert cs.apply(s, cs.ReportIn(_report("ghost", None, [n1]), at=3.0), 0) == []
+    # A node heard of by its report alone joins (its token's event may have been lost) and its notices count
+    # once; the last report of a node that is leaving is not folded at all.
+    joined = cs.apply(s, cs.ReportIn(_report("d", None, [n1]), at=3.0), 0)
+    assert [e.kind for e in joined] == ["join", "weights"]
+    leaving = _report("ghost", None, [n1]).model_copy(update={"leaving": True})
+    assert cs.apply(s, cs.ReportIn(leaving, at=3.0), 0) == []

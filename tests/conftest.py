@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -190,3 +191,20 @@ PROMPTS = [
     "Name a famous painting.",
     "How many legs does a spider have?",
 ]
+
+
+def stub_leader_spec(**overrides: Any) -> SimpleNamespace:
+    """The settings a Leader reads, for leaders driven in-process with a stand-in stage: one stage of one
+    layer, no KV budget, prefill steps of 8; `overrides` set what a test cares about."""
+    spec = {
+        "stages": 1,
+        "layer_start": 0,
+        "layer_end": 1,
+        "layer_total": 1,
+        "group": 1,
+        "kv_budget_bytes": 0,
+        "max_waiting": 16,
+        "prefill_step": 8,
+        "prefix_cache": False,
+    }
+    return SimpleNamespace(**{**spec, **overrides})

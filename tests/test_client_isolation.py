@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import stub_leader_spec, wait_for
 
 from shardline.compute.constraints import compile_grace_s, json_schema
 from shardline.compute.sampling import SamplingParams
@@ -57,16 +57,10 @@ def compute(step: m.Step, x: Any) -> tuple[m.StepResult, None]:
 def stand_in_leader(
     budget_blocks: int, max_waiting: int = 16, session: Any = None, keys: Any = None
 ) -> Leader:
-    spec = SimpleNamespace(
-        stages=1,
-        layer_end=1,
-        layer_start=0,
-        layer_total=1,
+    spec = stub_leader_spec(
         kv_budget_bytes=budget_blocks * BLOCK * TOKEN_BYTES,
         max_waiting=max_waiting,
         prefill_step=BLOCK,
-        prefix_cache=False,
-        group=1,
         in_flight_window=1,  # results come back at once: the one slot goes to prefill first
         max_batch=4,
         generation=1,

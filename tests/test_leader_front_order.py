@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import stub_leader_spec, wait_for
 
 from shardline.dataplane import messages as m
 from shardline.runner.leader import Leader
@@ -31,17 +31,7 @@ class Events:
 
 def stub_leader() -> tuple[Leader, Events]:
     events = Events()
-    spec = SimpleNamespace(
-        stages=1,
-        layer_end=1,
-        layer_start=0,
-        layer_total=1,
-        kv_budget_bytes=0,
-        max_waiting=16,
-        prefill_step=8,
-        prefix_cache=True,
-        group=1,
-    )
+    spec = stub_leader_spec(prefix_cache=True)
     runner = SimpleNamespace(
         spec=spec,
         worker=SimpleNamespace(kv_bytes_per_token=8),

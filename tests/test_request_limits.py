@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import stub_leader_spec
 
 from shardline.compute.sampling import MAX_LOGIT_BIAS, SamplingParams
 from shardline.dataplane import frame
@@ -70,21 +71,8 @@ class Ring:
 
 
 def stub_leader(ring: Ring, max_batch: int) -> Leader:
-    spec = SimpleNamespace(
-        stages=1,
-        layer_start=0,
-        layer_end=1,
-        layer_total=1,
-        group=1,
-        kv_budget_bytes=0,
-        max_waiting=16,
-        prefill_step=8,
-        prefix_cache=False,
-        max_batch=max_batch,
-        in_flight_window=2,
-        watchdog_factor=3.0,
-        load_timeout=10.0,
-        generation=1,
+    spec = stub_leader_spec(
+        max_batch=max_batch, in_flight_window=2, watchdog_factor=3.0, load_timeout=10.0, generation=1
     )
     runner = SimpleNamespace(
         spec=spec,

@@ -21,14 +21,14 @@ import ollama
 import openai
 import pytest
 
-from shardline.api.body_limit import MAX_BODY_BYTES
-from shardline.api.hosts import trusted_hosts
 from shardline.api.limits import MAX_CHOICES, MAX_LOGIT_BIAS, MAX_SCHEMA_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS
+from shardline.api.middleware.body_limit import MAX_BODY_BYTES
+from shardline.api.middleware.hosts import trusted_hosts
 from shardline.api.service import ApiSettings
 from shardline.api.stops import MAX_STOP_CHARS, MAX_STOPS
-from shardline.cli import build_parser
-from shardline.cluster.cli import api_settings
-from shardline.cluster.node import Node, NodeConfig
+from shardline.cli.cluster import api_settings
+from shardline.cli.main import build_parser
+from shardline.node.daemon import Node, NodeConfig
 
 KEY = "sk-hardening-key"
 ALIAS = "proxy.lan"
@@ -346,7 +346,7 @@ def test_health_on_a_keyless_node_tells_callers_from_elsewhere_only_the_status()
 
     from starlette.requests import Request
 
-    from shardline.api.cluster_api import may_see_cluster
+    from shardline.api.routes.cluster import may_see_cluster
 
     def caller(address: str) -> Request:
         scope = {"type": "http", "method": "GET", "path": "/health", "headers": [], "client": (address, 1)}

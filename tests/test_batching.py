@@ -14,7 +14,7 @@ import pytest
 from conftest import FAST, random_prompt, wait_for
 
 from shardline.compute.sampling import SamplingParams
-from shardline.runner.spec import Fault
+from shardline.instance.spec import Fault
 
 REQUESTS = 6
 

@@ -7,13 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from shardline.bench.scale import BENCH_SPEC, REQUEST, _nodes_report, kv_bytes, node_limit
-from shardline.cluster.placement import (
-    NodeCapacity,
-    PlacementError,
-    PlacementRequest,
-    footprint_from_dir,
-    place,
-)
+from shardline.cluster.placement import NodeCapacity, PlacementError, PlacementRequest, place
+from shardline.models.footprint import footprint_from_dir
 from shardline.models.synth import SynthSpec, weight_sizes, write_synth_model
 from shardline.models.synth import footprint as synth_footprint
 

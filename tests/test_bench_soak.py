@@ -19,9 +19,9 @@ import pytest
 from pydantic import ValidationError
 
 from shardline.api.errors import ApiError
-from shardline.api.formats import check_bias_tokens, checked, constraint_of, logit_bias_of
 from shardline.api.limits import check_choices
-from shardline.api.openai_api import ChatRequest
+from shardline.api.response_format import check_bias_tokens, checked, constraint_of, logit_bias_of
+from shardline.api.routes.openai import ChatRequest
 from shardline.api.stops import checked_stops
 from shardline.bench.chaos import (
     ABUSIVE_EXPECTED,
@@ -33,7 +33,7 @@ from shardline.bench.chaos import (
     partition_sides,
 )
 from shardline.bench.soak import Abuse, Counts, Soak, _targets, fault_kinds
-from shardline.cli import main
+from shardline.cli.main import main
 from shardline.testing.cluster import LabCluster
 from shardline.testing.netns import LAB_RANGE, Host, LeakMonitor, list_netns, netns_skip_reason
 

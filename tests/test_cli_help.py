@@ -1,5 +1,4 @@
-"""Every flag of every `shardline` command says what it does, and the two command modules share their helpers
-through shardline.cli_support instead of importing each other."""
+"""Every flag of every `shardline` command says what it does."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.cli import build_parser
+from shardline.cli.main import build_parser
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "shardline"
 
@@ -50,16 +49,9 @@ def _shardline_imports(path: Path) -> set[str]:
 
 
 @pytest.mark.timeout(60)
-def test_cluster_cli_does_not_import_the_top_cli():
-    assert "shardline.cli" not in _shardline_imports(SRC / "cluster" / "cli.py")
-    assert "shardline.cli_support" in _shardline_imports(SRC / "cluster" / "cli.py")
-    assert "shardline.cli_support" in _shardline_imports(SRC / "cli.py")
-
-
-@pytest.mark.timeout(60)
 def test_no_prefix_cache_reaches_the_instance_settings_of_every_command_that_takes_them():
-    from shardline.cli import engine_config
-    from shardline.cluster.cli import node_flags, runner_settings
+    from shardline.cli.cluster import node_flags, runner_settings
+    from shardline.cli.main import engine_config
 
     parse = build_parser().parse_args
     assert runner_settings(parse(["node"])).prefix_cache is True  # on unless asked

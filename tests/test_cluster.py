@@ -18,7 +18,7 @@ from conftest import assert_no_runner_left, random_prompt
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
 from shardline.cluster.placement import PlacementRequest
-from shardline.cluster.weights.manifest import read_shard_manifest, record_import
+from shardline.models.store.manifest import read_shard_manifest, record_import
 from shardline.testing.cluster import LocalCluster
 from shardline.testing.reference import Reference
 from shardline.trust.credentials import Credentials

@@ -9,7 +9,8 @@ from shardline.cluster import election
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.election import elect, newer
-from shardline.cluster.placement import ModelFootprint, NodeCapacity, PlacementRequest, place
+from shardline.cluster.placement import NodeCapacity, PlacementRequest, place
+from shardline.models.footprint import ModelFootprint
 
 RES = cm.Resources(memory_total=8 << 30, memory_available=4 << 30, compute_score=50.0, device="cpu", cpus=2)
 

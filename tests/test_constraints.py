@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from shardline.api.errors import ApiError
-from shardline.api.formats import checked, constraint_of, logit_bias_of
+from shardline.api.response_format import checked, constraint_of, logit_bias_of
 from shardline.compute.constraints import Constraint, Matchers, json_schema, problem
 from shardline.compute.sampling import SamplingParams, sample
 from shardline.dataplane.messages import BATCH_ID, Row, Step
-from shardline.runner.worker import Held, finish
+from shardline.runner.stage import Held, finish
 from shardline.testing.cluster import FAST_RUNNERS as FAST
 
 END = (2,)  # the default model's <|im_end|>
@@ -341,7 +341,7 @@ def test_a_tokenizer_build_that_holds_the_gil_past_the_heartbeat_timeout_stalls_
     constrained requests are served as without it."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from shardline.runner.spec import Fault
+    from shardline.instance.spec import Fault
 
     hold = Fault(phase="load", action="hold_gil", seconds=FAST["heartbeat_timeout"] + 1.0)
     engine = start_engine(

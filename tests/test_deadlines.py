@@ -7,8 +7,8 @@ import re
 import pytest
 from conftest import FAST, random_prompt
 
-from shardline.runner.deadline import DeadlinePolicy, Speed, work
-from shardline.runner.spec import Fault
+from shardline.instance.deadline import DeadlinePolicy, Speed, work
+from shardline.instance.spec import Fault
 from shardline.testing.reference import Reference
 
 

@@ -7,7 +7,7 @@ import pytest
 from shardline.compute.kv import KV_STEP, reservation_bytes
 from shardline.controller import state as cs
 from shardline.dataplane import messages as m
-from shardline.runner.spec import runner_name
+from shardline.instance.spec import runner_name
 
 CFG = cs.ControllerConfig(stages=2, heartbeat_timeout=2.0, step_deadline_floor=1.0, max_restarts=2)
 

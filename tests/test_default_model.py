@@ -23,7 +23,7 @@ def default_model():
 
 
 def _shardline(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shardline.cli", *args]
+    return [sys.executable, "-m", "shardline.cli.main", *args]
 
 
 def _runner_children(pid: int) -> list[int]:

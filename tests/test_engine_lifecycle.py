@@ -17,7 +17,7 @@ from shardline.engine.engine import (
     EngineError,
     logs_to_drop,
 )
-from shardline.runner.spec import Fault
+from shardline.instance.spec import Fault
 from shardline.testing.reference import Reference
 
 

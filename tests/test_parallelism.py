@@ -8,13 +8,8 @@ import pytest
 
 from shardline.bench.tp import BENCH_SPEC
 from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, Choice, Link, choose, estimate
-from shardline.cluster.placement import (
-    ModelFootprint,
-    NodeCapacity,
-    PlacementRequest,
-    footprint_from_dir,
-    place,
-)
+from shardline.cluster.placement import NodeCapacity, PlacementRequest, place
+from shardline.models.footprint import ModelFootprint, footprint_from_dir
 from shardline.models.synth import footprint as synth_footprint
 
 SLOW_LINK = Link(rtt_s=3e-3, bytes_per_s=30e6)  # a busy Wi-Fi

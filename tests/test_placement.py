@@ -16,17 +16,16 @@ from safetensors import safe_open
 
 from shardline.cluster.placement import (
     GB,
-    ModelFootprint,
     NodeCapacity,
     Placement,
     PlacementError,
     PlacementRequest,
-    footprint_from_dir,
     place,
     preview,
     split_for_stages,
 )
 from shardline.models.errors import CorruptModelError
+from shardline.models.footprint import ModelFootprint, footprint_from_dir
 
 U = 10**8  # hypothesis sizes are in units of 0.1 GB, so messages show non-zero GB figures
 G = 10**9

@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 from conftest import QUANTIZED, STEP, random_prompt
 
-from shardline.cluster.placement import footprint_from_dir
 from shardline.compute.shard import LayerRange, load_shard, split_layers
+from shardline.models.footprint import footprint_from_dir
 from shardline.testing.reference import QUANTIZED_LOGIT_TOLERANCE, Reference
 
 MAX_TOKENS = 8
@@ -109,7 +109,7 @@ def test_quantized_greedy_text_is_the_same_on_one_two_and_three_stages(
 
 @pytest.mark.timeout(30)
 def test_weight_format_labels(tmp_path: Path) -> None:
-    from shardline.models.formats import describe_weights
+    from shardline.models.store.formats import describe_weights
 
     mixed = {
         "group_size": 64,

@@ -17,7 +17,7 @@ from conftest import FAST, STEP, assert_no_runner_left, random_prompt
 
 from shardline.engine.engine import EngineError
 from shardline.errors import RequestError
-from shardline.runner.spec import Fault
+from shardline.instance.spec import Fault
 from shardline.testing.reference import Reference
 
 DETECT_MARGIN = 2.0  # seconds beyond the configured deadline: monitor tick, signal delivery, a loaded CI box

@@ -1,7 +1,7 @@
 """One request cannot hurt another: its settings travel once, and what cannot travel fails it alone.
 
 - Steps stay small: a request's settings (logit_bias, its constraint) ride its first step only, and no step
-  carries its output so far; the stage that samples holds both (runner/worker.py's Held).
+  carries its output so far; the stage that samples holds both (runner/stage.py's Held).
 - On an engine whose frames are limited to 16 KiB (SHARDLINE_MAX_HEADER_BYTES, in its runners too): eight
   choices at the largest logit_bias the APIs take and another client's request are all served, and a
   request whose Submit could not fit is refused at submit; the generation never changes.
@@ -20,7 +20,7 @@ from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.errors import RequestTooLargeError
 from shardline.runner.leader import Leader
-from shardline.runner.worker import Held
+from shardline.runner.stage import Held
 
 FULL_BIAS = tuple((t, 1.5) for t in range(MAX_LOGIT_BIAS))  # the largest logit_bias the APIs accept
 

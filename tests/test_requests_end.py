@@ -15,7 +15,7 @@ from shardline.compute.kv import reservation_bytes
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, Outbox, open_session
-from shardline.runner.spec import Fault
+from shardline.instance.spec import Fault
 from shardline.testing.reference import Reference
 
 
@@ -198,7 +198,8 @@ def test_garbage_and_other_generations_change_nothing(tiny_models, start_engine,
 def test_eight_requests_without_max_tokens_run_at_once_on_the_default_model(
     model_dir, tokenizer, start_engine
 ):
-    from shardline.cluster.placement import DEFAULT_RESERVE_TOKENS, PlacementRequest, footprint_from_dir
+    from shardline.cluster.placement import DEFAULT_RESERVE_TOKENS, PlacementRequest
+    from shardline.models.footprint import footprint_from_dir
 
     fp = footprint_from_dir(model_dir)
     # The KV budget a cluster gives the default model's instance (cluster/master_state.py): its default

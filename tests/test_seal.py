@@ -17,12 +17,12 @@ import pytest
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.client import ClusterClient
-from shardline.cluster.node import Node
 from shardline.cluster.placement import PlacementRequest
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import encode
 from shardline.dataplane.transport import Outbox, open_session
 from shardline.node.agent import NodeAgent
+from shardline.node.daemon import Node
 from shardline.testing.cluster import LocalCluster
 from shardline.trust import ca, refusals
 from shardline.trust.credentials import Credentials

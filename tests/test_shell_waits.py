@@ -20,12 +20,12 @@ from shardline.cluster import master as master_mod
 from shardline.cluster import master_state as ms
 from shardline.cluster import state as cs
 from shardline.cluster.master import Master
-from shardline.controller.settings import InstanceSettings
 from shardline.dataplane.transport import DeadlineExceeded, Outbox, open_session
+from shardline.instance.settings import InstanceSettings
+from shardline.instance.spec import RunnerSpec
 from shardline.node import agent as agent_mod
 from shardline.node.agent import NodeAgent
-from shardline.runner.spec import RunnerSpec
-from shardline.supervisor.logs import RotatingLog
+from shardline.node.logs import RotatingLog
 
 DEADLINE_S = 10.0  # for a condition that holds at once when the code is right
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from shardline.supervisor.classify import LineClassifier, classify_line
-from shardline.supervisor.diagnostics import (
+from shardline.dataplane.diagnostics import (
     DIAGNOSTICS,
     Diagnostic,
     OutOfMemory,
@@ -21,7 +20,8 @@ from shardline.supervisor.diagnostics import (
     Unknown,
     parse_diagnostic,
 )
-from shardline.supervisor.logs import RotatingLog, pump_stream
+from shardline.node.classify import LineClassifier, classify_line
+from shardline.node.logs import RotatingLog, pump_stream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -359,7 +359,7 @@ def test_pump_survives_a_raising_callback_and_bad_bytes(
             raise RuntimeError("callback bug")
 
     with (
-        caplog.at_level(logging.ERROR, logger="shardline.supervisor"),
+        caplog.at_level(logging.ERROR, logger="shardline.node"),
         RotatingLog(tmp_path / "s.log") as log,
     ):
         run_pumped(code, log, callback)

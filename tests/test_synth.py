@@ -11,11 +11,11 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from shardline.cli import main
-from shardline.cluster.placement import footprint_from_dir
-from shardline.cluster.weights.manifest import local_models
+from shardline.cli.main import main
 from shardline.models import synth
+from shardline.models.footprint import footprint_from_dir
 from shardline.models.registry import resolve_model
+from shardline.models.store.manifest import local_models
 from shardline.models.synth import SynthSpec, weight_sizes, write_synth_model
 from shardline.models.validate import validate_model_dir
 

@@ -150,7 +150,7 @@ def test_a_group_member_lost_mid_step_is_named_and_recovered(tiny_models, start_
     """Member 1 of stage 0's group (runner slot 1 on one stage) stops or dies in a step: the face's sum
     waits at most the step deadline (a kill breaks the stream at once), the stage fails, the instance is
     rebuilt, and the request ends with the text it would have had."""
-    from shardline.runner.spec import Fault
+    from shardline.instance.spec import Fault
 
     model = tiny_models["llama"]
     ref = Reference(model)

@@ -16,10 +16,10 @@ import pytest
 from test_constraints import END, _batched, _held, _vocab
 
 from shardline.api.errors import ApiError
-from shardline.api.formats import checked
+from shardline.api.response_format import checked
 from shardline.api.service import load_model_text
-from shardline.api.tool_calls import ArgsPiece, CallEnd, CallStart, CallStream, TextPiece, parse_calls
-from shardline.api.tools import (
+from shardline.api.tools.calls import ArgsPiece, CallEnd, CallStart, CallStream, TextPiece, parse_calls
+from shardline.api.tools.prompt import (
     Tool,
     ToolPlan,
     call_text,
@@ -31,7 +31,7 @@ from shardline.api.tools import (
 )
 from shardline.compute.constraints import Matchers
 from shardline.compute.sampling import SamplingParams
-from shardline.runner.worker import finish
+from shardline.runner.stage import finish
 
 WEATHER = {
     "type": "function",

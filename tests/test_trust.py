@@ -24,7 +24,7 @@ from shardline.cluster.placement import PlacementRequest
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import encode
 from shardline.dataplane.transport import Link, open_session
-from shardline.runner.spec import Fault, RunnerSpec
+from shardline.instance.spec import Fault, RunnerSpec
 from shardline.testing.cluster import LocalCluster
 from shardline.testing.reference import Reference
 from shardline.trust import ca

@@ -15,10 +15,12 @@ import pytest
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
-from shardline.cluster.placement import ModelFootprint, PlacementRequest
-from shardline.cluster.weights.errors import WeightsError
+from shardline.cluster.placement import PlacementRequest
 from shardline.cluster.weights.fetch import _check_manifest
-from shardline.cluster.weights.manifest import (
+from shardline.cluster.weights.sources import fetch_order
+from shardline.models.footprint import ModelFootprint
+from shardline.models.store.errors import WeightsError
+from shardline.models.store.manifest import (
     FileEntry,
     Manifest,
     SourceInfo,
@@ -34,8 +36,7 @@ from shardline.cluster.weights.manifest import (
     record_path,
     set_aside,
 )
-from shardline.cluster.weights.sources import fetch_order
-from shardline.cluster.weights.verify import check_full_copy, check_stage_copy
+from shardline.models.store.verify import check_full_copy, check_stage_copy
 from shardline.testing.tiny import make_tiny_model
 
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64

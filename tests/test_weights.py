@@ -19,15 +19,21 @@ import mlx.core as mx
 import pytest
 import zenoh
 
-from shardline.cluster.weights.errors import (
+from shardline.cluster.weights.fetch import FetchStats, fetch_shard
+from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply
+from shardline.cluster.weights.server import Tamper, WeightServer
+from shardline.cluster.weights.stage import StageWeights, versions_dir
+from shardline.compute.shard import LayerRange, load_shard, split_layers
+from shardline.dataplane.transport import open_session
+from shardline.models.errors import CorruptModelError
+from shardline.models.store.errors import (
     ModelNotOnSourceError,
     SourceRefusedError,
     SourceUnavailableError,
     WeightsError,
 )
-from shardline.cluster.weights.fetch import FetchStats, fetch_shard
-from shardline.cluster.weights.files import SHARD_MANIFEST, WEIGHTS_FILE
-from shardline.cluster.weights.manifest import (
+from shardline.models.store.files import SHARD_MANIFEST, WEIGHTS_FILE
+from shardline.models.store.manifest import (
     FileEntry,
     Manifest,
     ModelPresence,
@@ -41,13 +47,7 @@ from shardline.cluster.weights.manifest import (
     record_import,
     tensors_for,
 )
-from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply
-from shardline.cluster.weights.server import Tamper, WeightServer
-from shardline.cluster.weights.stage import StageWeights, versions_dir
-from shardline.cluster.weights.verify import verify_shard
-from shardline.compute.shard import LayerRange, load_shard, split_layers
-from shardline.dataplane.transport import open_session
-from shardline.models.errors import CorruptModelError
+from shardline.models.store.verify import verify_shard
 from shardline.testing.tampering_node import flip_first_byte
 from shardline.testing.tiny import make_tiny_model
 

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter
 
 import shardline.cluster.messages as cluster_messages
+import shardline.dataplane.diagnostics as diagnostics
 import shardline.dataplane.messages as messages
-import shardline.supervisor.diagnostics as diagnostics
-from shardline.cluster.placement import ModelFootprint
 from shardline.compute.sampling import MAX_BIAS, SamplingParams
+from shardline.models.footprint import ModelFootprint
 
 ADAPTERS: dict[str, TypeAdapter[Any]] = {
     f"{module.__name__.rsplit('.', 1)[-1]}.{name}": value

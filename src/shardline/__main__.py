@@ -1,5 +1,5 @@
 import sys
 
-from shardline.cli import main
+from shardline.cli.main import main
 
 sys.exit(main())

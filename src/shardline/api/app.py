@@ -14,12 +14,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import shardline
-from shardline.api import anthropic_api, cluster_api, dashboard, ollama_api, openai_api
-from shardline.api.body_limit import BodyLimit
 from shardline.api.errors import ApiError, body, flavor_of, headers
-from shardline.api.hosts import HostCheck, trusted_hosts
-from shardline.api.keys import carries_key
-from shardline.api.ollama_entrance import OllamaEntrance, is_json_type
+from shardline.api.middleware.api_key import carries_key
+from shardline.api.middleware.body_limit import BodyLimit
+from shardline.api.middleware.hosts import HostCheck, trusted_hosts
+from shardline.api.middleware.ollama import OllamaEntrance, is_json_type
+from shardline.api.routes import anthropic as anthropic_api
+from shardline.api.routes import cluster as cluster_api
+from shardline.api.routes import dashboard
+from shardline.api.routes import ollama as ollama_api
+from shardline.api.routes import openai as openai_api
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
 

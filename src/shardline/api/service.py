@@ -30,10 +30,10 @@ from shardline.api.live import SAMPLE_S, Histories
 from shardline.api.metrics import Metrics
 from shardline.api.steps import StepCounts
 from shardline.api.text import TextStream
-from shardline.api.tools import Tool, function_spec, generic_messages, template_takes_tools
+from shardline.api.tools.prompt import Tool, function_spec, generic_messages, template_takes_tools
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
-from shardline.cluster.placement import ModelFootprint, PlacementRequest, footprint_from_dir
+from shardline.cluster.placement import PlacementRequest
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode
@@ -41,6 +41,7 @@ from shardline.errors import ContextLengthError, EngineError, OverloadError, Req
 from shardline.front.figures import LeaderFigures
 from shardline.front.front import Front
 from shardline.front.request import RequestDeadlineError, RequestHandle, Token
+from shardline.models.footprint import ModelFootprint, footprint_from_dir
 
 log = logging.getLogger("shardline.api")
 REMOVED_AFTER_S = 2.0  # an instance missing from views this long is gone (a new master's first view may lag)
@@ -81,7 +82,7 @@ class ModelText:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def chat(self, messages: list[dict[str, Any]], tools: tuple[Tool, ...] = ()) -> list[int]:
-        """The prompt of a conversation (messages may carry tool calls and results, see api/tools.py)."""
+        """The prompt of a conversation (with tool calls and results, see api/tools/prompt.py)."""
         template = getattr(self.tokenizer, "chat_template", None)
         if template and template_takes_tools(template):  # the model's own tool format
             specs = [function_spec(t) for t in tools] or None

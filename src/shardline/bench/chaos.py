@@ -204,10 +204,12 @@ def _first(modules: Sequence[Any], name: str) -> tuple[int, str] | None:
 
 def api_limits(vocab: int) -> ApiLimits:
     """The caps as the API holds them now: api/limits.py where it has them, else where each lived before
-    (the request model's bound on `n`, api/stops.py, api/formats.py)."""
+    (the request model's bound on `n`, api/stops.py, api/response_format.py)."""
     import importlib
 
-    from shardline.api import formats, openai_api, stops
+    from shardline.api import response_format as formats
+    from shardline.api import stops
+    from shardline.api.routes import openai as openai_api
 
     modules: list[Any] = [formats, stops, openai_api]
     try:

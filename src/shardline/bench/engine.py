@@ -37,7 +37,7 @@ LOAD_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 900
 LLAMA_PROMPT, LLAMA_GEN = 512, 128  # llama-bench's pp512 / tg128, and our one-stage prefill of 512 tokens
 _BARE_RUNNER = (
-    "import sys, mlx.core as mx, mlx_lm, zenoh, shardline.runner.worker, shardline.runner.leader; "
+    "import sys, mlx.core as mx, mlx_lm, zenoh, shardline.runner.stage, shardline.runner.leader; "
     "mx.eval(mx.ones(8) + 1); "
     # With a tokenizer.json: also the constraint engine's tokenizer, which the sampling stage builds at its
     # warm-up and keeps.

@@ -98,8 +98,9 @@ class StagedModel:
     """The engine's stages of one model, loaded in this process, evaluated in order with all positions."""
 
     def __init__(self, model_dir: Path, stages: int) -> None:
-        from shardline.cluster.placement import footprint_from_dir, split_for_stages
+        from shardline.cluster.placement import split_for_stages
         from shardline.compute.shard import LayerRange, load_shard
+        from shardline.models.footprint import footprint_from_dir
 
         fp = footprint_from_dir(Path(model_dir))  # the engine's own split of one machine's cores
         self.shards = [

@@ -28,14 +28,13 @@ import psutil
 from shardline.bench.machine import describe, peak_rss
 from shardline.cluster.placement import (
     DEFAULT_RESERVE_TOKENS,
-    ModelFootprint,
     NodeCapacity,
     PlacementError,
     PlacementRequest,
-    footprint_from_dir,
     place,
 )
 from shardline.compute.kv import round_up
+from shardline.models.footprint import ModelFootprint, footprint_from_dir
 from shardline.models.synth import SYNTH_INFO_FILE, SynthSpec, weight_sizes, write_synth_model
 
 NODES = ("n0", "n1", "n2")
@@ -81,7 +80,7 @@ def node_limit(fp: ModelFootprint, request: PlacementRequest, nodes: int = 3, fr
 
 def synth_model(models_dir: Path, spec: SynthSpec) -> Path:
     """The bench's synthetic model, written once (kept while its spec stays) with its digests recorded."""
-    from shardline.cluster.weights.manifest import import_record, record_import
+    from shardline.models.store.manifest import import_record, record_import
 
     quant = f"q{spec.bits}-{spec.dtype}" if spec.bits else spec.dtype
     path = models_dir / f"synth-scale-{spec.layers}l-{spec.hidden}h-{quant}"

@@ -25,8 +25,8 @@ import psutil
 
 from shardline.bench.machine import describe
 from shardline.engine.engine import Engine, EngineConfig
+from shardline.instance.spec import Fault
 from shardline.models.synth import SYNTH_INFO_FILE, SynthSpec, weight_sizes, write_synth_model
-from shardline.runner.spec import Fault
 
 # ~1.1B parameters: 24 layers of hidden 2048 and MLP 5632 (16 heads, 4 KV heads), 4-bit in groups of 32
 # with float32 scales (~910 MB): one decode step reads the weights once, which takes tens of ms on a core.

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardline.cli_support import CliError, add_prefix_cache_arg, encode_prompt, positive, stream_tokens
-from shardline.controller import settings
+from shardline.cli.common import CliError, add_prefix_cache_arg, encode_prompt, positive, stream_tokens
+from shardline.instance import settings
 
 DEFAULT_PORT = 7447
 
@@ -72,7 +72,7 @@ def add_credential_args(parser: argparse.ArgumentParser) -> None:
 
 def runner_settings(args: argparse.Namespace) -> Any:
     """The instance settings `shardline node` runs its instances with: --runner-settings, then the flags."""
-    from shardline.cluster.node import ClusterInstanceSettings
+    from shardline.node.daemon import ClusterInstanceSettings
 
     for value, flag in (
         (args.prefill_step, "--prefill-step"),
@@ -91,9 +91,9 @@ def runner_settings(args: argparse.Namespace) -> Any:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from shardline.cluster.allocator import bound_arenas
-    from shardline.cluster.node import Node, NodeConfig
-    from shardline.cluster.resources import parse_size
+    from shardline.node.allocator import bound_arenas
+    from shardline.node.daemon import Node, NodeConfig
+    from shardline.node.resources import parse_size
     from shardline.trust.exposure import open_refusal
 
     creds = credentials(args)
@@ -275,7 +275,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         shutil.rmtree(tls_root, ignore_errors=True)  # a fresh CA per run: nothing old is trusted
         ca.init(tls_root, [f"node-{i}" for i in range(args.nodes)])
         creds = Credentials(creds.key, tls_root / "nodes" / "client")
-    from shardline.cluster.node import ELECTION_FILE
+    from shardline.node.daemon import ELECTION_FILE
 
     # `up` starts every node of its cluster at once: they form a fresh membership of these N (a run with
     # fewer nodes than the last must not wait for members that will never start).

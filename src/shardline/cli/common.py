@@ -1,5 +1,4 @@
-"""Helpers every command shares (shardline.cli and shardline.cluster.cli both import them; neither imports
-the other for them, so the two command modules do not form an import circle)."""
+"""Helpers every command shares: argument types, one-line errors."""
 
 from __future__ import annotations
 

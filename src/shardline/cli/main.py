@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.cli_support import CliError, add_prefix_cache_arg, encode_prompt, positive, stream_tokens
-from shardline.controller import settings
+from shardline.cli.common import CliError, add_prefix_cache_arg, encode_prompt, positive, stream_tokens
+from shardline.instance import settings
 
 if TYPE_CHECKING:
     from shardline.engine.engine import EngineConfig
@@ -82,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     stops = list(tokenizer.eos_token_ids)
     if args.cluster:
-        from shardline.cluster.cli import generate_on_cluster
+        from shardline.cli.cluster import generate_on_cluster
 
         return generate_on_cluster(
             args, model_dir.name, ids, sampling, stops, lambda h: stream_tokens(h, tokenizer)
@@ -106,8 +106,8 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from shardline.models.formats import import_label
     from shardline.models.registry import KNOWN_MODELS, cache_dir, cached_models
+    from shardline.models.store.formats import import_label
     from shardline.models.synth import is_synthetic
 
     for name in KNOWN_MODELS:
@@ -126,8 +126,8 @@ def _size(n: int) -> str:
 
 
 def cmd_models_synth(args: argparse.Namespace) -> int:
-    from shardline.cluster.weights.manifest import record_import
     from shardline.models.registry import NAME_PATTERN, cache_dir
+    from shardline.models.store.manifest import record_import
     from shardline.models.synth import SynthSpec, weight_sizes, write_synth_model
 
     if not NAME_PATTERN.fullmatch(args.name):
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", metavar="ENDPOINT", default=None, help="send through a cluster (e.g. tcp/127.0.0.1:7447)"
     )
     gen.add_argument("--namespace", default="shardline", help="the cluster's namespace (with --cluster)")
-    from shardline.cluster.cli import add_commands, add_credential_args
+    from shardline.cli.cluster import add_commands, add_credential_args
 
     add_credential_args(gen)
     gen.add_argument("prompt", help="the text to answer")

@@ -29,9 +29,9 @@ from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster.keys import ClusterKeys
 from shardline.controller.controller import InstanceController, Launch
-from shardline.controller.settings import InstanceSettings
 from shardline.controller.state import ControllerConfig, Failure, stage_phase
 from shardline.dataplane.transport import Keys
+from shardline.instance.settings import InstanceSettings
 
 log = logging.getLogger("shardline.master")
 CONTROLLERS_END_S = 12.0  # a controller's end joins its thread for up to 10 s; they end in parallel

@@ -21,10 +21,11 @@ from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys
 from shardline.cluster.parallelism import arrange
-from shardline.cluster.placement import ModelFootprint, Placement, PlacementError, place
+from shardline.cluster.placement import Placement, PlacementError, place
 from shardline.controller.controller import Launch, LayoutError
 from shardline.dataplane import messages as m
-from shardline.runner.spec import RunnerSpec
+from shardline.instance.spec import RunnerSpec
+from shardline.models.footprint import ModelFootprint
 
 VIEW_PERIOD_S = 0.5
 EVENTS_IN_VIEW = 50

@@ -10,8 +10,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
-from shardline.cluster.placement import ModelFootprint, Placement, PlacementRequest
+from shardline.cluster.placement import Placement, PlacementRequest
 from shardline.dataplane.messages import Wire
+from shardline.models.footprint import ModelFootprint
 from shardline.trust.names import Name
 
 InstancePhase = Literal["placed", "weights", "loading", "warming", "ready", "recovering", "failed"]
@@ -44,7 +45,7 @@ class LocalModel(Wire):
     start: int = 0
     end: int = 0
     footprint: ModelFootprint | None = None
-    # The model digest (cluster/weights/manifest.py): of its import record, or the one a stage was checked
+    # The model digest (models/store/manifest.py): of its import record, or the one a stage was checked
     # against; "" while a whole model is still being hashed. Short: the per-file digests stay on the node.
     digest: str = ""
     imported_at: float = 0.0  # a whole model: when its digests were recorded (for people: it decides nothing)
@@ -84,7 +85,7 @@ class NodeReport(Wire):
 
 
 class StageRecord(Wire):
-    """One runner of an instance, in slot order (cluster/parallelism.py: runner_slots)."""
+    """One runner of an instance, in slot order (instance/slots.py: runner_slots)."""
 
     node_id: str
     start: int

@@ -20,13 +20,14 @@ from dataclasses import dataclass, replace
 
 from shardline.cluster.placement import (
     DEFAULT_RESERVE_TOKENS,
-    ModelFootprint,
     NodeCapacity,
     Placement,
     PlacementRequest,
     split_for_stages,
 )
 from shardline.compute.kv import round_up
+from shardline.instance.slots import runner_slots
+from shardline.models.footprint import ModelFootprint
 
 # A sum's cost beyond the link (framing, the add, waking the waiting thread, MLX <-> numpy) and a ring hop's
 # (framing, zenoh, the next stage's wake-up): measured on loopback, where the link itself is ~30 us a
@@ -197,13 +198,6 @@ def choose(
         )
     why = f"pipeline: {reason} ({link_text}). Candidates: {listed}"
     return Choice(base.stages, 1, tuple(options), why)
-
-
-def runner_slots(stages: int, group: int) -> list[tuple[int, int]]:
-    """(ring stage, member) of each runner of an instance, in slot order: the faces first (slot = their
-    ring stage, as in a pipeline), then each stage's other members. The engine and the master use this."""
-    faces = [(s, 0) for s in range(stages)]
-    return faces + [(s, j) for s in range(stages) for j in range(1, group)]
 
 
 def arrange(

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from shardline.cluster import election
 from shardline.cluster import messages as cm
 from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, Link
-from shardline.cluster.placement import ModelFootprint, NodeCapacity
+from shardline.cluster.placement import NodeCapacity
+from shardline.models.footprint import ModelFootprint
 
 MAX_EVENTS = 200
 MAX_DEPARTED = 16  # nodes that left, kept in views as unreachable

@@ -15,14 +15,14 @@ from mlx_lm.models import cache as kv_cache
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import load_config, load_model
 
-from shardline.cluster.weights.files import SHARD_MANIFEST
-from shardline.cluster.weights.verify import missing_tensors
 from shardline.compute import attention, quantized, tensor_parallel
 from shardline.compute.batched import DecodePlan, decode_stack
 from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.compute.paged_kv import PagedKV
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
+from shardline.models.store.files import SHARD_MANIFEST
+from shardline.models.store.verify import missing_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

@@ -13,10 +13,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from shardline.controller.settings import InstanceSettings
 from shardline.dataplane import messages as m
-from shardline.runner.deadline import Speed
-from shardline.supervisor.diagnostics import Diagnostic
+from shardline.dataplane.diagnostics import Diagnostic
+from shardline.instance.deadline import Speed
+from shardline.instance.settings import InstanceSettings
 
 Phase = Literal["idle", "starting", "serving", "backoff", "failed", "stopped"]
 

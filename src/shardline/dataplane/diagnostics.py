@@ -1,4 +1,4 @@
-"""Typed diagnostics a supervisor derives from a runner's output, one tagged union on discriminator `kind`.
+"""Typed diagnostics a node agent derives from a runner's output, one tagged union on discriminator `kind`.
 
 Every model accepts (and keeps, for forwarding) fields it does not know: an older receiver must never reject a
 newer sender's diagnostic. `parse_diagnostic` goes further and degrades an unknown `kind` to `unknown`.
@@ -27,7 +27,7 @@ class DiagnosticBase(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, ser_json_inf_nan="constants")
 
     stage: int | None = None
-    at: float = Field(default_factory=time.time)  # unix time the supervisor saw it
+    at: float = Field(default_factory=time.time)  # unix time the node agent saw it
     fatal: bool = False  # the runner can no longer be trusted and must be replaced
     line: str = ""  # the line that triggered the diagnostic
     evidence: list[str] = []  # the triggering line with the lines around it

@@ -48,8 +48,8 @@ from shardline.compute import quantized
 from shardline.dataplane import frame
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
-from shardline.runner.deadline import SMALL_STEP
-from shardline.runner.spec import runner_name
+from shardline.instance.deadline import SMALL_STEP
+from shardline.instance.spec import runner_name
 from shardline.trust import roles
 from shardline.trust.credentials import CA_FILE, CERT_FILE, KEY_FILE
 

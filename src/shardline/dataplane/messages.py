@@ -19,8 +19,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shardline.compute.sampling import SamplingParams
-from shardline.runner.spec import RunnerSpec
-from shardline.supervisor.diagnostics import Diagnostic
+from shardline.dataplane.diagnostics import Diagnostic
+from shardline.instance.spec import RunnerSpec
 from shardline.trust.names import Name
 
 

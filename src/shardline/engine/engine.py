@@ -23,20 +23,21 @@ from platformdirs import user_state_dir
 from pydantic import Field
 
 from shardline.cluster.keys import ClusterKeys
-from shardline.cluster.parallelism import runner_slots
-from shardline.cluster.placement import footprint_from_dir, split_for_stages
+from shardline.cluster.placement import split_for_stages
 from shardline.compute import tensor_parallel
 from shardline.compute.shard import check_architecture
 from shardline.controller.controller import InstanceController, Launch
-from shardline.controller.settings import InstanceSettings
 from shardline.controller.state import ControllerConfig, Failure
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, open_session
 from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
 from shardline.front.front import Front, ModelLimits
+from shardline.instance.settings import InstanceSettings
+from shardline.instance.slots import runner_slots
+from shardline.instance.spec import Fault, RunnerSpec
 from shardline.models.errors import CorruptModelError
+from shardline.models.footprint import footprint_from_dir
 from shardline.node.agent import NodeAgent, stage_log
-from shardline.runner.spec import Fault, RunnerSpec
 
 __all__ = ["ContextLengthError", "Engine", "EngineConfig", "EngineError", "OverloadError", "RequestError"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardline.runner.deadline import DeadlinePolicy
+from shardline.instance.deadline import DeadlinePolicy
 
 
 class InstanceSettings(BaseModel):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from shardline.controller.settings import InstanceSettings
+from shardline.instance.settings import InstanceSettings
 from shardline.trust.names import Name, NameOrEmpty
 
 

@@ -34,12 +34,12 @@ from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
 from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
-from shardline.models.formats import IMPORT_INFO_FILE
 from shardline.models.gguf_config import build_config, check_architecture, meta_scalar
 from shardline.models.gguf_quant import GROUP, Form, check_rows, float16_exact, form_for, to_affine
 from shardline.models.gguf_tensors import ROPE_FREQS, dequantize_tensor, hf_name, hf_shape, unpermute_llama_qk
 from shardline.models.gguf_tokenizer import build_tokenizer, tokenizer_config
 from shardline.models.safetensors_stream import write_safetensors
+from shardline.models.store.formats import IMPORT_INFO_FILE
 
 log = logging.getLogger("shardline.models")
 

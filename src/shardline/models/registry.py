@@ -159,7 +159,7 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True, weights: str | None =
     with _import_lock(target):
         if not _is_current(target, source, weights):  # another process may have finished meanwhile
             # Here, not in the cluster package's import: its digests are what this import wrote, once.
-            from shardline.cluster.weights.manifest import record_import, record_path
+            from shardline.models.store.manifest import record_import, record_path
 
             _remove_stale_temps(target)
             record_path(target).unlink(missing_ok=True)  # the old version's, never the new one's truth

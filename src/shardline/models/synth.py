@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from shardline.models.formats import SAFETENSORS_ITEMSIZE
+from shardline.models.store.formats import SAFETENSORS_ITEMSIZE
 
 SYNTH_INFO_FILE = "shardline_synthetic.json"
 SYNTH_FORMAT_VERSION = 1
@@ -142,7 +142,7 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 def footprint(spec: SynthSpec, name: str = "synth") -> Any:
     """The ModelFootprint placement would read from the written model, from the spec alone (placement and
     its tests reason about models of GBs without writing them)."""
-    from shardline.cluster.placement import LAYER_OVERHEAD_BYTES, ModelFootprint
+    from shardline.models.footprint import LAYER_OVERHEAD_BYTES, ModelFootprint
 
     layers, embed, head = [0] * spec.layers, 0, 0
     for t in plan(spec):
@@ -353,7 +353,7 @@ def parameter_count(spec: SynthSpec) -> int:
 
 
 def _headers(model_dir: Path) -> Iterator[tuple[str, str, tuple[int, ...]]]:
-    from shardline.cluster.weights.files import read_header
+    from shardline.models.store.files import read_header
 
     for path in sorted(Path(model_dir).glob("model*.safetensors")):
         _, header = read_header(path)

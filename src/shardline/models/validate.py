@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
-from shardline.models.formats import SAFETENSORS_ITEMSIZE
 from shardline.models.gguf_config import SUPPORTED_ARCHITECTURES
+from shardline.models.store.formats import SAFETENSORS_ITEMSIZE
 
 SUPPORTED_MODEL_TYPES = SUPPORTED_ARCHITECTURES
 # A safetensors JSON header beyond this is certainly garbage (real ones are a few MB at most).

@@ -22,11 +22,11 @@ import psutil
 import zenoh
 
 from shardline.dataplane import messages as m
+from shardline.dataplane.diagnostics import Diagnostic
 from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox
+from shardline.node.classify import LineClassifier
 from shardline.node.launch import spawn_runner, stop_runners
-from shardline.supervisor.classify import LineClassifier
-from shardline.supervisor.diagnostics import Diagnostic
-from shardline.supervisor.logs import RotatingLog, pump_stream
+from shardline.node.logs import RotatingLog, pump_stream
 from shardline.trust.credentials import Credentials
 from shardline.trust.refusals import refuse
 from shardline.trust.seal import Checker

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardline.supervisor.diagnostics import (
+from shardline.dataplane.diagnostics import (
     MAX_EVIDENCE_LINES,
     Diagnostic,
     DiagnosticBase,
@@ -49,7 +49,7 @@ class Rule:
     fields: Fields = _no_fields
 
 
-# Socket errnos of this platform (the runner runs on the supervisor's machine): numbers differ between Linux
+# Socket errnos of this platform (the runner runs on its node agent's machine): numbers differ between Linux
 # and macOS (ECONNRESET is 104 vs 54), so no number is hard-coded.
 _SOCKET_ERRNOS = {
     getattr(errno_codes, name)

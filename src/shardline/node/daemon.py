@@ -33,17 +33,17 @@ from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys, node_from_key
 from shardline.cluster.links import LinkProber
 from shardline.cluster.master import Master, Posted
-from shardline.cluster.placement import footprint_from_dir
-from shardline.cluster.resources import compute_score, device_kind, node_identity, read_bandwidth, resources
-from shardline.cluster.weights.manifest import local_models, record_imports
 from shardline.cluster.weights.server import Tamper, WeightServer
 from shardline.cluster.weights.stage import StageWeights
-from shardline.controller.settings import InstanceSettings
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode, encode
 from shardline.dataplane.transport import Link, open_session
+from shardline.instance.settings import InstanceSettings
+from shardline.models.footprint import footprint_from_dir
 from shardline.models.registry import cache_dir
+from shardline.models.store.manifest import local_models, record_imports
 from shardline.node.agent import NodeAgent
+from shardline.node.resources import compute_score, device_kind, node_identity, read_bandwidth, resources
 from shardline.trust.credentials import Credentials
 from shardline.trust.refusals import refuse
 from shardline.trust.seal import Checker, Sealer, certificate_name

@@ -10,7 +10,7 @@ import sys
 import psutil
 
 from shardline.compute import blas
-from shardline.runner.spec import RunnerSpec
+from shardline.instance.spec import RunnerSpec
 from shardline.trust.credentials import KEY_ENV, TLS_ENV, Credentials
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from shardline.supervisor.classify import LineClassifier
-from shardline.supervisor.diagnostics import Diagnostic
+from shardline.dataplane.diagnostics import Diagnostic
+from shardline.node.classify import LineClassifier
 
-_log = logging.getLogger("shardline.supervisor")
+_log = logging.getLogger("shardline.node")
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line (a printed tensor) is split rather than buffered whole
 
@@ -155,7 +155,7 @@ def pump_stream(
         args=(stream, stage, log, classifier, on_diagnostic),
         kwargs={"max_line": max_line},
         name=f"shardline-pump-stage{stage}",
-        daemon=True,  # never keeps the supervisor alive; the runner's exit closes the pipe anyway
+        daemon=True,  # never keeps the node agent alive; the runner's exit closes the pipe anyway
     )
     thread.start()
     return thread

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from shardline.runner.spec import Fault
+from shardline.instance.spec import Fault
 
 RING_ABORT_LINE = "[ring] Too many send/recv errors. Aborting..."
 PHASES = ("load", "warmup", "prefill", "decode")

@@ -18,15 +18,15 @@ from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import tensor_meta
 from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Keys, Outbox
+from shardline.instance.deadline import DeadlinePolicy, Speed
+from shardline.instance.spec import RunnerSpec
 from shardline.runner import schedule
 from shardline.runner.batch_rates import BatchRates
-from shardline.runner.deadline import DeadlinePolicy, Speed
 from shardline.runner.faults import Faults
 from shardline.runner.prefix import PrefixLedger
 from shardline.runner.row_costs import RowCosts
 from shardline.runner.signals import RejoinRequested, StopRunner
-from shardline.runner.spec import RunnerSpec
-from shardline.runner.worker import WARMUP_ID, ProtocolError, StageWorker
+from shardline.runner.stage import WARMUP_ID, ProtocolError, StageWorker
 
 TOKEN_FIELDS = {"token", "logprob", "top_logprobs"}
 log = logging.getLogger("shardline.leader")

@@ -18,7 +18,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from shardline.cluster.parallelism import runner_slots
 from shardline.compute import attention
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
@@ -33,12 +32,13 @@ from shardline.dataplane.transport import (
     TransportError,
     open_session,
 )
-from shardline.runner.deadline import Speed
+from shardline.instance.deadline import Speed
+from shardline.instance.slots import runner_slots
+from shardline.instance.spec import RunnerSpec
 from shardline.runner.faults import Faults
 from shardline.runner.leader import Leader
 from shardline.runner.signals import RejoinRequested, StopRunner
-from shardline.runner.spec import RunnerSpec
-from shardline.runner.worker import ProtocolError, StageWorker
+from shardline.runner.stage import ProtocolError, StageWorker
 from shardline.trust.credentials import Credentials
 
 EXIT_FAILED = 3

@@ -5,7 +5,7 @@ Shared by the process (which catches them) and the leader (which raises them), s
 
 from __future__ import annotations
 
-from shardline.runner.spec import RunnerSpec
+from shardline.instance.spec import RunnerSpec
 
 
 class StopRunner(Exception):

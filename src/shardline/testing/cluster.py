@@ -27,7 +27,7 @@ from shardline.cluster.messages import ClusterView
 from shardline.testing.netns import HOST_IF, Host, NetLab
 from shardline.trust.credentials import KEY_ENV, TLS_ENV, Credentials
 
-# Overrides of InstanceSettings (controller/settings.py): short liveness settings, so failures are found
+# Overrides of InstanceSettings (instance/settings.py): short liveness settings, so failures are found
 # (and tests end) in seconds. Plain dicts: they travel as `--runner-settings` JSON and as Engine keywords.
 FAST_RUNNERS: dict[str, float] = {
     "heartbeat_s": 0.2,

@@ -29,8 +29,8 @@ def flip_first_byte(model: str) -> Tamper:
 
 def main(argv: Sequence[str]) -> int:
     model, rest = argv[0], list(argv[1:])
-    from shardline.cli import main as cli_main
-    from shardline.cluster import node
+    from shardline.cli.main import main as cli_main
+    from shardline.node import daemon as node
 
     honest = node.Node
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from starlette.exceptions import HTTPException
 
-from shardline.api.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from shardline.api.errors import ApiError
+from shardline.api.middleware.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 
 MAX_BODY_BYTES = 32 << 20
 

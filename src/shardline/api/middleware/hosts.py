@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import ipaddress
 
-from shardline.api.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 from shardline.api.errors import ApiError
+from shardline.api.middleware.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 
 
 def is_loopback(host: str) -> bool:

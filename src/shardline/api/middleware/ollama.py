@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from shardline.api.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 from shardline.api.errors import ApiError
+from shardline.api.middleware.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 
 PREFIX = "/api/"
 LOOPBACK = {"localhost", "127.0.0.1", "::1", "0.0.0.0"}  # what Ollama allows by default

@@ -11,12 +11,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import bad_request, error_responses, unsupported
-from shardline.api.formats import checked
 from shardline.api.limits import check_tools
+from shardline.api.response_format import checked
 from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
-from shardline.api.tool_calls import (
+from shardline.api.tools.calls import (
     ArgsPiece,
     CallEnd,
     CallStart,
@@ -25,7 +25,7 @@ from shardline.api.tool_calls import (
     call_id,
     calls_in,
 )
-from shardline.api.tools import Mode, Tool, ToolPlan, history_call, named, plan_constraint, tool_of
+from shardline.api.tools.prompt import Mode, Tool, ToolPlan, history_call, named, plan_constraint, tool_of
 from shardline.compute.sampling import SamplingParams
 
 
@@ -110,8 +110,8 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
 
 
 def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """The conversation in api/tools.py's neutral form: an assistant's `tool_use` blocks are its calls, a
-    user's `tool_result` blocks are tool messages (before the user's own text, as Anthropic orders them)."""
+    """The conversation in the neutral form of api/tools/prompt.py: an assistant's `tool_use` blocks are its
+    calls, a user's `tool_result` blocks are tool messages (first, as Anthropic orders them)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content

@@ -11,9 +11,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from shardline.api.errors import ApiError, error_responses
-from shardline.api.hosts import is_loopback
-from shardline.api.keys import carries_key
 from shardline.api.live import LivePoint, hit_rate, recent_ttft
+from shardline.api.middleware.api_key import carries_key
+from shardline.api.middleware.hosts import is_loopback
 from shardline.api.service import Service
 from shardline.api.streaming import STREAMED_SSE, sse
 from shardline.cluster import messages as cm

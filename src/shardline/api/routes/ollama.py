@@ -16,13 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import shardline
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
-from shardline.api.formats import checked
 from shardline.api.limits import check_tools
+from shardline.api.response_format import checked
 from shardline.api.service import ActiveRequest, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
-from shardline.api.tool_calls import CallEnd, CallStream, TextPiece, calls_in
-from shardline.api.tools import ToolPlan, history_call, openai_tools, plan_constraint
+from shardline.api.tools.calls import CallEnd, CallStream, TextPiece, calls_in
+from shardline.api.tools.prompt import ToolPlan, history_call, openai_tools, plan_constraint
 from shardline.compute.constraints import Constraint, any_json_object, json_schema
 from shardline.compute.sampling import SamplingParams
 
@@ -211,7 +211,7 @@ def format_of(fmt: str | dict[str, Any] | None) -> Constraint | None:
 
 
 def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
-    """The conversation in api/tools.py's neutral form (Ollama's calls carry arguments as objects)."""
+    """The conversation in api/tools/prompt.py's neutral form (Ollama's calls carry arguments as objects)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         turn: dict[str, Any] = {"role": m.role, "content": m.content}

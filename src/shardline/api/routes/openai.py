@@ -11,13 +11,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
-from shardline.api.formats import check_bias_tokens, checked, constraint_of, logit_bias_of
 from shardline.api.limits import check_choices, check_tools
+from shardline.api.response_format import check_bias_tokens, checked, constraint_of, logit_bias_of
 from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, RunGroup, merged, sse, stream_response, whole_all
-from shardline.api.tool_calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, calls_in
-from shardline.api.tools import ToolPlan, history_call, openai_plan, openai_tools, plan_constraint
+from shardline.api.tools.calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, calls_in
+from shardline.api.tools.prompt import ToolPlan, history_call, openai_plan, openai_tools, plan_constraint
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
 
@@ -263,7 +263,7 @@ def message_text(content: str | list[TextPart] | None) -> str:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation in the neutral form of api/tools.py (earlier calls and tool results included)."""
+    """The conversation in the neutral form of api/tools/prompt.py (earlier calls, tool results)."""
     out: list[dict[str, Any]] = []
     for msg in messages:
         role = "system" if msg.role == "developer" else msg.role
@@ -300,7 +300,7 @@ def chat_plan(req: ChatRequest) -> ToolPlan | None:
 
 
 def _message(outcome: Outcome, plan: ToolPlan | None) -> tuple[AssistantMessage, str]:
-    """A whole answer: its calls when it is made of valid calls, else its text (see api/tools.py)."""
+    """A whole answer: its calls when it is made of valid calls, else its text (see api/tools/prompt.py)."""
     calls = calls_in(outcome.text, plan)
     if calls is None:
         return AssistantMessage(content=outcome.text), outcome.finish_reason

@@ -1,4 +1,4 @@
-"""Calls out of a model's answer (the `<tool_call>` format of api/tools.py), whole or as it streams.
+"""Calls out of a model's answer (the `<tool_call>` format of api/tools/prompt.py), whole or as it streams.
 
 `CallStream` turns streamed text into events: text pieces, a call's start (its name), pieces of its
 arguments' JSON text as they come, and its end. Every API streams from these events in its own shape.
@@ -14,7 +14,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardline.api.tools import CLOSE, OPEN, Tool, ToolPlan
+from shardline.api.tools.prompt import CLOSE, OPEN, Tool, ToolPlan
 
 _ALPHABET = string.ascii_letters + string.digits
 

@@ -28,13 +28,14 @@ from typing import NoReturn, TextIO
 import zenoh
 from pydantic import ValidationError
 
-from shardline.cluster.weights.errors import (
+from shardline.cluster.weights.protocol import MAX_CHUNK_BYTES, ChunkRequest, ErrorReply, key_prefix
+from shardline.models.store.errors import (
     ModelNotOnSourceError,
     SourceRefusedError,
     SourceUnavailableError,
     WeightsError,
 )
-from shardline.cluster.weights.files import (
+from shardline.models.store.files import (
     HASH_BLOCK,
     NAME,
     SHARD_MANIFEST,
@@ -44,7 +45,8 @@ from shardline.cluster.weights.files import (
     hash_file,
     hash_range,
 )
-from shardline.cluster.weights.manifest import (
+from shardline.models.store.formats import SAFETENSORS_ITEMSIZE
+from shardline.models.store.manifest import (
     Manifest,
     SourceInfo,
     StageSpan,
@@ -53,9 +55,7 @@ from shardline.cluster.weights.manifest import (
     read_shard_manifest,
     tensors_for,
 )
-from shardline.cluster.weights.protocol import MAX_CHUNK_BYTES, ChunkRequest, ErrorReply, key_prefix
-from shardline.cluster.weights.verify import verify_shard
-from shardline.models.formats import SAFETENSORS_ITEMSIZE
+from shardline.models.store.verify import verify_shard
 
 log = logging.getLogger("shardline.weights")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import zenoh
 from pydantic import ValidationError
 
-from shardline.cluster.weights.errors import WeightsError
-from shardline.cluster.weights.files import NAME, SHARD_MANIFEST, check_name, stamp, weight_files
-from shardline.cluster.weights.manifest import Manifest, model_manifest, record_path
 from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply, key_prefix
+from shardline.models.store.errors import WeightsError
+from shardline.models.store.files import NAME, SHARD_MANIFEST, check_name, stamp, weight_files
+from shardline.models.store.manifest import Manifest, model_manifest, record_path
 
 log = logging.getLogger("shardline.weights")
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import zenoh
 
-from shardline.cluster.weights.errors import SourceRefusedError, WeightsError
 from shardline.cluster.weights.fetch import fetch_shard
-from shardline.cluster.weights.files import SHARD_MANIFEST, weight_files
-from shardline.cluster.weights.manifest import import_record, read_shard_manifest, set_aside, tensors_for
 from shardline.cluster.weights.sources import fetch_order
-from shardline.cluster.weights.verify import check_full_copy, check_stage_copy, verify_copy
+from shardline.models.store.errors import SourceRefusedError, WeightsError
+from shardline.models.store.files import SHARD_MANIFEST, weight_files
+from shardline.models.store.manifest import import_record, read_shard_manifest, set_aside, tensors_for
+from shardline.models.store.verify import check_full_copy, check_stage_copy, verify_copy
 
 Progress = Callable[[int, int, str], None]  # bytes in place, bytes to place, source node
 

@@ -10,7 +10,7 @@ import struct
 from collections.abc import Iterable
 from pathlib import Path
 
-from shardline.cluster.weights.errors import WeightsError
+from shardline.models.store.errors import WeightsError
 
 SHARD_MANIFEST = "shardline_shard.json"  # in a directory that holds one stage's tensors (read by load_shard)
 WEIGHTS_FILE = "model.safetensors"  # the single weights file of a fetched stage

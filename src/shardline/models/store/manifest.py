@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from shardline.cluster.weights.errors import WeightsError
-from shardline.cluster.weights.files import (
+from shardline.models.store.errors import WeightsError
+from shardline.models.store.files import (
     LAYER,
     NAME,
     SHARD_MANIFEST,

@@ -7,9 +7,9 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from shardline.cluster.weights.errors import WeightsError
-from shardline.cluster.weights.files import hash_file, hash_range, read_header, weight_files
-from shardline.cluster.weights.manifest import (
+from shardline.models.store.errors import WeightsError
+from shardline.models.store.files import hash_file, hash_range, read_header, weight_files
+from shardline.models.store.manifest import (
     Manifest,
     TensorEntry,
     import_record,

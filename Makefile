@@ -27,9 +27,12 @@ test: setup
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q
 
+# The house plan (docs/architecture.md): no import cycle between packages, no class name defined twice, no
+# module over 500 lines without its reason.
 lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
+	$(PY) scripts/check_architecture.py
 
 bench: setup
 	$(VENV)/bin/shardline bench engine --json bench-results/engine.json

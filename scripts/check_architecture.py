@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / "shardline"
 MAX_LINES = 500
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+def _module(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -30,9 +30,9 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def _imports(path: Path, tree: ast.AST) -> set[str]:
+def _imports(path: Path, root: Path, tree: ast.AST) -> set[str]:
     """Every shardline module this file imports, anywhere in it (imports inside functions count too)."""
-    module = _module(path)
+    module = _module(path, root)
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -91,8 +91,8 @@ def breaches(root: Path = ROOT) -> list[str]:
         text = path.read_text(encoding="utf-8")
         tree = ast.parse(text, filename=str(path))
         rel = path.relative_to(root.parent)
-        pkg = _package(_module(path))
-        for target in _imports(path, tree):
+        pkg = _package(_module(path, root))
+        for target in _imports(path, root, tree):
             other = _package(target)
             if other not in (pkg, "shardline"):
                 edges[pkg].add(other)

@@ -24,7 +24,7 @@ from shardline.cluster.parallelism import arrange
 from shardline.cluster.placement import Placement, PlacementError, place
 from shardline.controller.controller import Launch, LayoutError
 from shardline.dataplane import messages as m
-from shardline.instance.spec import RunnerSpec
+from shardline.instance.spec import runner_spec
 from shardline.models.footprint import ModelFootprint
 
 VIEW_PERIOD_S = 0.5
@@ -522,33 +522,28 @@ def _start_runner(
     rec: cm.InstanceRecord,
     fp: ModelFootprint,
     generation: int,
-    stage: int,
+    slot: int,
     a: cm.StageRecord,
     stages: int,
     endpoints: dict[str, str],
     sources: list[str],
     group: int = 1,
 ) -> m.StartRunner:
-    endpoint = endpoints[a.node_id]
-    host = endpoint.split("/", 1)[1].rpartition(":")[0]
-    spec = RunnerSpec(
+    """The command that starts runner `slot` of a generation on node `a.node_id`."""
+    spec = runner_spec(
+        state.config.spec_fields,
         instance=rec.instance,
         generation=generation,
-        stage=stage,
+        slot=slot,
         stages=stages,
-        model_dir="",
-        model=rec.model,
-        namespace=state.config.namespace,
-        layer_start=a.start,
-        layer_end=a.end,
-        layer_total=fp.layers,
+        layers=(a.start, a.end, fp.layers),
+        endpoint=endpoints[a.node_id],
+        kv_budget_bytes=rec.kv_budget_bytes,
         group=group,
         member=a.member,
         position=a.ring,
-        connect=[endpoint],
-        listen=[f"tcp/{host}:0"],
-        kv_budget_bytes=rec.kv_budget_bytes,
-        **state.config.spec_fields,
+        model=rec.model,
+        namespace=state.config.namespace,
     )
     threads = state.config.threads or 1
     return m.StartRunner(spec=spec, threads=threads, sources=sources, term=state.term, view_seq=state.seq)

@@ -34,7 +34,7 @@ from shardline.errors import ContextLengthError, EngineError, OverloadError, Req
 from shardline.front.front import Front, ModelLimits
 from shardline.instance.settings import InstanceSettings
 from shardline.instance.slots import runner_slots
-from shardline.instance.spec import Fault, RunnerSpec
+from shardline.instance.spec import Fault, RunnerSpec, runner_spec
 from shardline.models.errors import CorruptModelError
 from shardline.models.footprint import footprint_from_dir
 from shardline.node.agent import NodeAgent, stage_log
@@ -205,26 +205,23 @@ class Engine:
         cfg = self.config
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
         inject = cfg.faults if (generation == 0 or cfg.faults_every_generation) else {}
-        spec = RunnerSpec(
+        spec = runner_spec(
+            cfg.settings_fields(),
             instance=self.instance,
             generation=generation,
-            stage=stage,
+            slot=stage,
             stages=cfg.stages,
+            layers=(start, end, self.layers),
+            endpoint=self.endpoint,
+            kv_budget_bytes=self.kv_budget_bytes,
             group=cfg.tp,
             member=member,
             position=position,
             model_dir=str(cfg.model_dir),
-            layer_start=start,
-            layer_end=end,
-            layer_total=self.layers,
-            connect=[self.endpoint],
-            listen=[f"tcp/{cfg.host}:0"],
             window=cfg.window,
             score_budget=cfg.score_budget,
-            kv_budget_bytes=self.kv_budget_bytes,
             cpu=cpus[stage % len(cpus)] if cfg.pin_cpus else None,
             fault=inject.get(stage),
-            **cfg.settings_fields(),
         )
         return spec, 1 if cfg.pin_cpus else max(1, len(cpus) // cfg.runners)
 

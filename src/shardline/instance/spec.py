@@ -1,8 +1,10 @@
-"""What a runner process is told to be: one stage of one instance generation."""
+"""What a runner process is told to be (`RunnerSpec`, built by `runner_spec` alone), how it is named, and the
+fault a test may inject into it."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -48,7 +50,7 @@ class RunnerSpec(InstanceSettings):
     """One stage of one instance generation, and the settings it runs under (InstanceSettings' fields).
 
     A stage may be a tensor-parallel group of `group` runners: member 0 (the face) is the stage's place in
-    the ring, the others follow their face (dataplane/group.py). `stage` names the runner among its
+    the ring, the others follow their face (dataplane/group.py). `slot` names the runner among its
     instance's runners (its status key, its log, its node agent's record): the ring stage for a face, a slot
     past the ring's stages for another member, whose ring stage is then `position`.
     """
@@ -57,7 +59,7 @@ class RunnerSpec(InstanceSettings):
 
     instance: Name
     generation: int
-    stage: int
+    slot: int
     stages: int
     model_dir: str  # on the node that runs it; a node agent fills it in from `model` when empty
     model: NameOrEmpty = (
@@ -75,7 +77,7 @@ class RunnerSpec(InstanceSettings):
     kv_budget_bytes: int = 0  # the leader admits requests while their KV reservations fit; 0 = no limit
     group: int = 1  # runners in this stage's tensor-parallel group
     member: int = 0  # this runner's place in it (0: the face)
-    position: int | None = None  # the ring stage, where `stage` is a member's slot
+    position: int | None = None  # the ring stage, where `slot` is past the ring's stages
     cpu: int | None = None
     parent_pid: int | None = None
     fault: Fault | None = None
@@ -88,11 +90,11 @@ class RunnerSpec(InstanceSettings):
     @property
     def ring(self) -> int:
         """This runner's stage in the ring."""
-        return self.stage if self.position is None else self.position
+        return self.slot if self.position is None else self.position
 
     @property
     def name(self) -> str:
-        return runner_name(self.ring, self.member, self.stage, self.group)
+        return runner_name(self.ring, self.member, self.slot, self.group)
 
     @property
     def is_face(self) -> bool:
@@ -113,3 +115,57 @@ class RunnerSpec(InstanceSettings):
     @property
     def in_flight_window(self) -> int:
         return self.window or self.stages + 1
+
+
+def runner_spec(
+    settings: Mapping[str, Any],
+    *,
+    instance: str,
+    generation: int,
+    slot: int,
+    stages: int,
+    layers: tuple[int, int, int],
+    endpoint: str,
+    kv_budget_bytes: int,
+    group: int = 1,
+    member: int = 0,
+    position: int | None = None,
+    model_dir: str = "",
+    model: str = "",
+    namespace: str = "shardline",
+    window: int = 0,
+    score_budget: int = 0,
+    cpu: int | None = None,
+    fault: Fault | None = None,
+) -> RunnerSpec:
+    """The spec of runner `slot` of one generation, for a local engine and a cluster's master alike.
+
+    settings: the InstanceSettings fields it runs under (`settings_fields()`). layers: (start, end, total).
+    position: the ring stage of a group's other member, None for a face (its slot is its ring stage).
+    endpoint: the zenoh endpoint it connects to; it listens on the same host, on a port of its own.
+    """
+    host = endpoint.split("/", 1)[1].rpartition(":")[0]
+    start, end, total = layers
+    return RunnerSpec(
+        instance=instance,
+        generation=generation,
+        stage=slot,
+        stages=stages,
+        group=group,
+        member=member,
+        position=position,
+        model_dir=model_dir,
+        model=model,
+        namespace=namespace,
+        layer_start=start,
+        layer_end=end,
+        layer_total=total,
+        connect=[endpoint],
+        listen=[f"tcp/{host}:0"],
+        window=window,
+        score_budget=score_budget,
+        kv_budget_bytes=kv_budget_bytes,
+        cpu=cpu,
+        fault=fault,
+        **settings,
+    )

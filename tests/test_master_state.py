@@ -82,7 +82,7 @@ def test_place_starts_one_instance_replies_once_and_the_next_tick_publishes_it()
     assert start.record.weight_format == "q4_1→affine4/g32"  # shown in /state and on the dashboard
     assert [c.event.kind for c in out if isinstance(c, ms.Log)] == ["placed"]
     assert s.running == {"m-s0"} and s.dirty
-    s, out = ms.apply(s, ms.Tick(ms.snapshot(cluster(), 0.01, 1000.0)))
+    s, out = ms.apply(s, ms.Seen(ms.snapshot(cluster(), 0.01, 1000.0)))
     [pub] = [c for c in out if isinstance(c, ms.PublishView)]
     assert (
         [r.instance for r in pub.view.instances] == ["m-s0"] and pub.view.seq == 1 and pub.view.master == "a"
@@ -182,19 +182,19 @@ def test_a_new_master_adopts_what_serves_and_rebuilds_the_rest_after_two_report_
     }
     s = master(0.0, cluster(**reports))
     assert set(s.records) == {"m-1", "m-2"} and s.running == frozenset()
-    s, out = ms.apply(s, ms.Tick(ms.snapshot(cluster(**reports), 0.5, 1000.5)))
+    s, out = ms.apply(s, ms.Seen(ms.snapshot(cluster(**reports), 0.5, 1000.5)))
     assert not [c for c in out if isinstance(c, ms.StartInstance)]  # not yet: every node reports first
-    s, out = ms.apply(s, ms.Tick(ms.snapshot(cluster(**reports), 1.0, 1001.0)))
+    s, out = ms.apply(s, ms.Seen(ms.snapshot(cluster(**reports), 1.0, 1001.0)))
     starts = {c.record.instance: c for c in out if isinstance(c, ms.StartInstance)}
     assert starts["m-1"].adopt and starts["m-1"].lost == ()
     assert not starts["m-2"].adopt and starts["m-2"].lost == (1,)
     [pub] = [c for c in out if isinstance(c, ms.PublishView)]
     assert {r.instance for r in pub.view.instances} == {"m-1", "m-2"}  # never a view that forgets one
-    s, out = ms.apply(s, ms.Tick(ms.snapshot(cluster(**reports), 1.5, 1001.5)))
+    s, out = ms.apply(s, ms.Seen(ms.snapshot(cluster(**reports), 1.5, 1001.5)))
     assert not [c for c in out if isinstance(c, ms.StartInstance)]  # once
     # Node b leaves: both instances' stage 1 are faulted.
-    s, out = ms.apply(s, ms.Tick(ms.snapshot(cluster(["a"], **reports), 1.6, 1001.6), changed=True))
-    faults = sorted((c.instance, c.stages) for c in out if isinstance(c, ms.Fault))
+    s, out = ms.apply(s, ms.Seen(ms.snapshot(cluster(["a"], **reports), 1.6, 1001.6), changed=True))
+    faults = sorted((c.instance, c.stages) for c in out if isinstance(c, ms.FaultGeneration))
     assert faults == [("m-1", (1,)), ("m-2", (1,))]
 
 
@@ -227,7 +227,7 @@ def test_any_sequence_of_queries_and_ticks_keeps_the_invariants(steps):
     for step in steps:
         if step[0] == "tick":
             now += step[1]
-            s, out = ms.apply(s, ms.Tick(ms.snapshot(cluster(), now, 1000 + now)))
+            s, out = ms.apply(s, ms.Seen(ms.snapshot(cluster(), now, 1000 + now)))
             assert not replies(out)
             continue
         qid += 1

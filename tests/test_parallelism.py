@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from shardline.bench.tp import BENCH_SPEC
-from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, Choice, Link, choose, estimate
+from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, Choice, LinkFigures, choose, estimate
 from shardline.cluster.placement import NodeCapacity, PlacementRequest, place
 from shardline.models.footprint import ModelFootprint, footprint_from_dir
 from shardline.models.synth import footprint as synth_footprint
 
-SLOW_LINK = Link(rtt_s=3e-3, bytes_per_s=30e6)  # a busy Wi-Fi
+SLOW_LINK = LinkFigures(rtt_s=3e-3, bytes_per_s=30e6)  # a busy Wi-Fi
 READ = 10e9  # bytes/s: this machine's single-core read bandwidth, about
 
 
@@ -20,7 +20,7 @@ def nodes(n: int, gb: float = 8.0) -> list[NodeCapacity]:
     return [NodeCapacity(f"n{i}", int(gb * 1e9), 100.0, READ) for i in range(n)]
 
 
-def decide(fp: ModelFootprint, count: int, link: Link, gb: float = 8.0) -> Choice:
+def decide(fp: ModelFootprint, count: int, link: LinkFigures, gb: float = 8.0) -> Choice:
     caps = nodes(count, gb)
     request = PlacementRequest()
     return choose(fp, caps, place(fp, caps, request), link, request)

@@ -165,10 +165,10 @@ class Master:
     # ---- the loop thread -----------------------------------------------------------------------------------
 
     def step(self, events: list[ms.Event], snapshot: Callable[[], ms.Snapshot], changed: bool) -> None:
-        """Fold what was posted, then a Tick with a fresh snapshot (the events just logged included)."""
+        """Fold what was posted, then a Seen with a fresh snapshot (the events just logged included)."""
         for e in events:
             self._apply(e)
-        self._apply(ms.Tick(snapshot(), changed))
+        self._apply(ms.Seen(snapshot(), changed))
 
     def _apply(self, event: ms.Event) -> None:
         self.state, commands = ms.apply(self.state, event)  # first: a controller started now reads it
@@ -194,7 +194,7 @@ class Master:
             c = self.controllers.pop(cmd.instance, None)
             if c is not None:  # stopping waits for its thread: not in the loop
                 threading.Thread(target=c.stop, args=(2.0,), daemon=True, name="instance-stop").start()
-        elif isinstance(cmd, ms.Fault):
+        elif isinstance(cmd, ms.FaultGeneration):
             c = self.controllers.get(cmd.instance)
             if c is not None:
                 c.fault(cmd.generation, cmd.why, list(cmd.stages))

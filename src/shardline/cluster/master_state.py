@@ -2,7 +2,7 @@
 
 Like cluster/state.py and controller/state.py, this holds no thread, lock, clock or socket. The node loop
 thread is the only one that feeds it (cluster/master.py is the shell): queries that arrived on the master's
-queryable, updates from its instance controllers, and one Tick per loop step carrying a snapshot of the
+queryable, updates from its instance controllers, and one Seen per loop step carrying a snapshot of the
 node's ClusterState. The commands it returns are what the shell carries out: publish a view, reply to a
 query, start or stop an instance controller, fault a generation, log cluster events.
 
@@ -80,8 +80,8 @@ def snapshot(state: cs.ClusterState, now: float, wall: float) -> Snapshot:
 
 
 @dataclass(frozen=True)
-class Tick:
-    """One node loop step: the newest snapshot; changed: the step saw membership change."""
+class Seen:
+    """The cluster as the node saw it at one loop step; changed: the step saw membership change."""
 
     snapshot: Snapshot
     changed: bool = False
@@ -132,7 +132,7 @@ class InstanceUpdate:
     at: float = 0.0  # wall clock
 
 
-Event = Tick | QueryIn | Laid | InstanceUpdate
+Event = Seen | QueryIn | Laid | InstanceUpdate
 
 
 # ---- commands ------------------------------------------------------------------------------------------
@@ -165,7 +165,9 @@ class StopInstance:
 
 
 @dataclass(frozen=True)
-class Fault:
+class FaultGeneration:
+    """Fault a generation whose stages sit on nodes that left (the controller rebuilds it)."""
+
     instance: str
     generation: int
     why: str
@@ -177,7 +179,7 @@ class Log:
     event: cm.ClusterEvent
 
 
-Command = PublishView | Reply | StartInstance | StopInstance | Fault | Log
+Command = PublishView | Reply | StartInstance | StopInstance | FaultGeneration | Log
 
 
 # ---- the state -----------------------------------------------------------------------------------------
@@ -207,8 +209,8 @@ def initial(config: MasterConfig, term: int, snap: Snapshot) -> MasterState:
 
 
 def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Command]]:
-    if isinstance(event, Tick):
-        return _tick(state, event)
+    if isinstance(event, Seen):
+        return _seen(state, event)
     if isinstance(event, QueryIn):
         return _query(state, event)
     if isinstance(event, Laid):
@@ -231,7 +233,7 @@ def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Command]]
 # ---- the step ------------------------------------------------------------------------------------------
 
 
-def _tick(state: MasterState, event: Tick) -> tuple[MasterState, list[Command]]:
+def _seen(state: MasterState, event: Seen) -> tuple[MasterState, list[Command]]:
     snap = event.snapshot
     state = replace(state, snapshot=snap)
     out: list[Command] = []
@@ -241,7 +243,7 @@ def _tick(state: MasterState, event: Tick) -> tuple[MasterState, list[Command]]:
         rec = state.records[instance]
         if instance in state.running:
             stages = tuple(k for k, s in enumerate(rec.stages) if s.node_id in lost)
-            out.append(Fault(instance, generation, why, stages))
+            out.append(FaultGeneration(instance, generation, why, stages))
     if event.changed or state.dirty or snap.now - state.last_view >= VIEW_PERIOD_S:
         state = replace(state, dirty=False, last_view=snap.now, seq=state.seq + 1)
         out.append(PublishView(view(state)))

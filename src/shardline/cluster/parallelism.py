@@ -42,7 +42,7 @@ READ_FALLBACK = 10e9  # bytes/s of a node that did not measure its read bandwidt
 
 
 @dataclass(frozen=True)
-class Link:
+class LinkFigures:
     """The network between the nodes, as measured: a small message's round trip and the bandwidth."""
 
     rtt_s: float
@@ -52,8 +52,8 @@ class Link:
         return self.rtt_s / 2 + nbytes / self.bytes_per_s
 
 
-LOOPBACK = Link(rtt_s=30e-6, bytes_per_s=3e9)
-ETHERNET_1G = Link(rtt_s=250e-6, bytes_per_s=117e6)
+LOOPBACK = LinkFigures(rtt_s=30e-6, bytes_per_s=3e9)
+ETHERNET_1G = LinkFigures(rtt_s=250e-6, bytes_per_s=117e6)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def estimate(
     nodes: Sequence[NodeCapacity],
     stages: int,
     group: int,
-    link: Link,
+    link: LinkFigures,
     request: PlacementRequest,
     ranges: list[tuple[int, int]] | None = None,
 ) -> Candidate:
@@ -164,7 +164,7 @@ def choose(
     model: ModelFootprint,
     nodes: Sequence[NodeCapacity],
     pipeline: Placement,
-    link: Link,
+    link: LinkFigures,
     request: PlacementRequest | None = None,
 ) -> Choice:
     """Keep `pipeline` (what place() chose), or replace it with groups that decode one stream faster."""
@@ -204,7 +204,7 @@ def arrange(
     model: ModelFootprint,
     nodes: Sequence[NodeCapacity],
     pipeline: Placement,
-    link: Link,
+    link: LinkFigures,
     request: PlacementRequest,
 ) -> tuple[Choice, list[tuple[str, int, int, int, int]]]:
     """The layout to launch: (node, ring stage, member, start, end) per runner in slot order, and why.

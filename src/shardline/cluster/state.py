@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from shardline.cluster import election
 from shardline.cluster import messages as cm
-from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, Link
+from shardline.cluster.parallelism import ETHERNET_1G, LOOPBACK, LinkFigures
 from shardline.cluster.placement import NodeCapacity
 from shardline.models.footprint import ModelFootprint
 
@@ -528,7 +528,7 @@ def sources(state: ClusterState, model: str, digest: str | None = None) -> list[
     ]
 
 
-def link_between(state: ClusterState, node_ids: list[str]) -> tuple[Link, str]:
+def link_between(state: ClusterState, node_ids: list[str]) -> tuple[LinkFigures, str]:
     """The link placement assumes between these nodes: the slowest pair as the nodes measured it (each
     reports its round trips to its peers), else what their endpoints suggest, said as an assumption."""
     rtts, rates = [], []
@@ -540,7 +540,7 @@ def link_between(state: ClusterState, node_ids: list[str]) -> tuple[Link, str]:
                 rtts.append(fact.rtt_us * 1e-6)
                 rates.append(fact.bytes_per_s)
     if rtts and len(rtts) >= len(node_ids) - 1:
-        return Link(max(rtts), min(rates)), "measured"
+        return LinkFigures(max(rtts), min(rates)), "measured"
     endpoints = [state.reports[n].endpoint for n in node_ids if n in state.reports]
     hosts = {e.split("/", 1)[-1].rpartition(":")[0] for e in endpoints}
     if hosts and all(h.startswith("127.") or h in ("localhost", "[::1]") for h in hosts):

@@ -19,8 +19,8 @@ def test_reservation_counts_whole_cache_steps():
     assert reservation_bytes(30, 400, 1) == 512
 
 
-def _serving(now: float = 100.0) -> cs.InstanceState:
-    s = cs.InstanceState(stages=2)
+def _serving(now: float = 100.0) -> cs.ControllerState:
+    s = cs.ControllerState(stages=2)
     cs.new_generation(s, now)
     for stage in range(2):
         cs.apply(s, m.Ready(stage=stage, pid=10 + stage, weight_bytes=1, layers=(0, 1)), 0, now)
@@ -47,12 +47,12 @@ def test_judge_names_a_group_member_by_its_stage_place_and_slot():
     # to a stage that does not exist (and the master's event to the face's node).
     names = [runner_name(0, 0, 0, 2), runner_name(0, 1, 1, 2)]
     assert names == ["stage 0", "stage 0 member 1 (runner 1)"]
-    s = cs.InstanceState(stages=2)
+    s = cs.ControllerState(stages=2)
     cs.new_generation(s, 100.0, 2, names=names)
     s.phase = "serving"
     cs.apply(s, m.RunnerStopped(generation=0, stage=1, pid=11), 0, 100.5)
     assert cs.judge(s, CFG, 100.6) == "stage 0 member 1 (runner 1) stalled: its process is stopped (SIGSTOP)"
-    s = cs.InstanceState(stages=2)
+    s = cs.ControllerState(stages=2)
     cs.new_generation(s, 100.0, 2, names=names)
     cs.apply(s, m.PeerLost(stage=0, peer=1), 0, 100.5)
     assert s.fault == "stage 0 member 1 (runner 1) vanished: stage 0 lost its link to it"

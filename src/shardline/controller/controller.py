@@ -56,7 +56,7 @@ class InstanceController:
         self.layout = layout
         self.kv_budget_bytes = kv_budget_bytes
         self.kv_bytes_per_token = 0
-        self.state = st.InstanceState(stages=config.stages)
+        self.state = st.ControllerState(stages=config.stages)
         st.set_attention_scale(self.state, attn_keys)
         self.launches: list[Launch] = []  # the current generation's
         self.term = 0  # the master's term, stamped on commands (node agents obey the highest they saw)

@@ -64,7 +64,10 @@ class Failure:
 
 
 @dataclass
-class InstanceState:
+class ControllerState:
+    """What an instance controller knows of its instance: the current generation, its runners as last heard,
+    and the failures so far."""
+
     stages: int
     generation: int = -1
     phase: Phase = "idle"
@@ -107,7 +110,11 @@ def generation_label(generation: int) -> str:
 
 
 def new_generation(
-    state: InstanceState, now: float, stages: int | None = None, term: int = 0, names: list[str] | None = None
+    state: ControllerState,
+    now: float,
+    stages: int | None = None,
+    term: int = 0,
+    names: list[str] | None = None,
 ) -> None:
     """A new generation of `stages` runners (a re-placement may change their number), named `names` where
     given (a tensor-parallel member is "stage 0 member 1 (runner 2)"), "stage k" otherwise."""
@@ -124,12 +131,12 @@ def new_generation(
     state.names = list(names) if names is not None and len(names) == state.stages else []
 
 
-def runner_label(state: InstanceState, slot: int) -> str:
+def runner_label(state: ControllerState, slot: int) -> str:
     """How judgements name runner `slot`: "stage k", or a group member's stage, place and slot."""
     return state.names[slot] if slot < len(state.names) else f"stage {slot}"
 
 
-def adopt(state: InstanceState, generation: int, stages: int, now: float) -> None:
+def adopt(state: ControllerState, generation: int, stages: int, now: float) -> None:
     """Take over a generation that serves already (a new master): heartbeats judge it from now on."""
     new_generation(state, now, stages)
     state.generation = generation  # the id it was launched with, whichever term that was
@@ -149,7 +156,7 @@ def stage_phase(view: StageView) -> str:
     return "starting" if view.pid is not None else "placed"
 
 
-def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -> None:
+def apply(state: ControllerState, msg: Any, generation: int, received_at: float) -> None:
     """Fold one status message in. Messages of another generation or stage are counted and dropped."""
     gen = getattr(msg, "generation", None)
     gen = generation if gen is None else gen
@@ -215,7 +222,7 @@ def apply(state: InstanceState, msg: Any, generation: int, received_at: float) -
         view.failed = view.failed or msg
 
 
-def set_attention_scale(state: InstanceState, attn_keys: int) -> None:
+def set_attention_scale(state: ControllerState, attn_keys: int) -> None:
     for s in state.speeds:
         s.attn_keys = attn_keys
 
@@ -231,7 +238,7 @@ def _exit_text(e: m.RunnerExited) -> str:
     return f"{how}: {' | '.join(e.log_tail) or '(no output)'}"
 
 
-def _stage_problem(state: InstanceState, cfg: ControllerConfig, now: float, stage: int) -> str | None:
+def _stage_problem(state: ControllerState, cfg: ControllerConfig, now: float, stage: int) -> str | None:
     v = state.views[stage]
     name = runner_label(state, stage)
     if v.failed is not None:
@@ -259,13 +266,13 @@ def _stage_problem(state: InstanceState, cfg: ControllerConfig, now: float, stag
     return None
 
 
-def suspects(state: InstanceState, cfg: ControllerConfig, now: float) -> list[int] | None:
+def suspects(state: ControllerState, cfg: ControllerConfig, now: float) -> list[int] | None:
     """The stages a failure blames; None when it blames no stage in particular (all are suspect)."""
     bad = {k for k in range(len(state.views)) if _stage_problem(state, cfg, now, k) is not None}
     return sorted((bad - set(state.witnesses)) | set(state.fault_stages)) or None
 
 
-def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None:
+def judge(state: ControllerState, cfg: ControllerConfig, now: float) -> str | None:
     """Why this generation can no longer be trusted, naming the stage; None while it is healthy."""
     if state.phase not in ("starting", "serving"):
         return None
@@ -283,7 +290,7 @@ def judge(state: InstanceState, cfg: ControllerConfig, now: float) -> str | None
     return None
 
 
-def all_ready(state: InstanceState) -> bool:
+def all_ready(state: ControllerState) -> bool:
     return state.phase == "starting" and all(v.ready is not None for v in state.views)
 
 
@@ -301,7 +308,7 @@ class GiveUp:
     why: str
 
 
-def after_failure(state: InstanceState, cfg: ControllerConfig, why: str, now: float) -> Retry | GiveUp:
+def after_failure(state: ControllerState, cfg: ControllerConfig, why: str, now: float) -> Retry | GiveUp:
     """Another generation after an exponential backoff, until the restart budget is spent."""
     recent = recent_failures(state.failures, now, cfg.restart_window_s)
     if len(recent) > cfg.max_restarts:

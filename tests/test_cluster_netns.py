@@ -299,7 +299,7 @@ class LabNode:
                 continue
             if "shardline.runner" in argv and c.status() != psutil.STATUS_ZOMBIE:
                 spec = json.loads(argv[-1])
-                found.append((spec["instance"], spec["generation"], spec["stage"], c.pid))
+                found.append((spec["instance"], spec["generation"], spec["slot"], c.pid))
         return found
 
     def pids(self) -> list[int]:

@@ -79,7 +79,7 @@ def test_only_a_stop_of_the_highest_term_shuts_a_ring_down(tmp_path):
 
     ns = "test-fenced-shutdown"
     spec = RunnerSpec(
-        instance="inst", generation=1, stage=0, stages=1, model_dir="unused", layer_start=0, layer_end=4,
+        instance="inst", generation=1, slot=0, stages=1, model_dir="unused", layer_start=0, layer_end=4,
         layer_total=4, connect=[], namespace=ns, runner_id="r1",
     )  # fmt: skip
     session = open_session([], [])

@@ -34,7 +34,7 @@ def _spec(generation: int) -> RunnerSpec:
     return RunnerSpec(
         instance="inst",
         generation=generation,
-        stage=0,
+        slot=0,
         stages=1,
         model_dir="unused",
         layer_start=0,

@@ -116,7 +116,7 @@ def test_sessions_meet_only_with_the_same_key_or_the_same_ca(tmp_path):
 
 @pytest.mark.timeout(10)
 def test_names_that_could_escape_are_malformed():
-    base = dict(generation=1, stage=0, stages=1, model_dir="", layer_start=0, layer_end=1, layer_total=1)
+    base = dict(generation=1, slot=0, stages=1, model_dir="", layer_start=0, layer_end=1, layer_total=1)
     for bad in ("../x", "a/b", "", "x" * 200, "a b", "*"):
         with pytest.raises(ValidationError):
             RunnerSpec(instance=bad, connect=[], **base)
@@ -178,7 +178,7 @@ def test_a_keyless_process_can_neither_join_nor_publish_nor_reach_a_runner(keyed
         forged = cm.ClusterView(term=term + 1000, seq=1, master="k0", nodes=[], instances=[])
         start = m.StartRunner(
             spec=RunnerSpec(
-                instance="evil", generation=1 << 40, stage=0, stages=1, model_dir="/", layer_start=0,
+                instance="evil", generation=1 << 40, slot=0, stages=1, model_dir="/", layer_start=0,
                 layer_end=1, layer_total=1, connect=[],
             ),
             term=term + 1000,
@@ -205,7 +205,7 @@ def test_commands_no_master_may_give_are_refused_and_counted(models, tmp_path):
         client = cluster.client()
         view = client.wait(lambda v: v.master == "o1", 30, "a master")
         o1 = cluster.nodes["o1"]
-        spec = dict(generation=1 << 40, stage=0, stages=1, layer_start=0, layer_end=1, layer_total=1)
+        spec = dict(generation=1 << 40, slot=0, stages=1, layer_start=0, layer_end=1, layer_total=1)
         bad = [
             RunnerSpec(instance="by-path", model_dir="/etc", model="tiny-llama", connect=[], **spec),
             RunnerSpec(

@@ -443,7 +443,7 @@ AGENT = TypeAdapter(AgentCommand)
 
 
 class Rejoin(Wire):
-    """Join generation spec.generation as spec.stage, keeping the loaded weights, dropping all KV."""
+    """Join generation spec.generation as spec.slot, keeping the loaded weights, dropping all KV."""
 
     kind: Literal["rejoin"] = "rejoin"
     spec: RunnerSpec

@@ -149,7 +149,7 @@ def runner_spec(
     return RunnerSpec(
         instance=instance,
         generation=generation,
-        stage=slot,
+        slot=slot,
         stages=stages,
         group=group,
         member=member,

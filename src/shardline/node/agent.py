@@ -157,7 +157,7 @@ class NodeAgent:
         """Why a StartRunner must not run (caller holds the lock): a generation older than one already
         commanded (a deposed master's, or a late copy), or a stage that runs or is fetched already. A live
         runner's entry is never overwritten: that would leave its process without an owner."""
-        key = (spec.instance, spec.generation, spec.stage)
+        key = (spec.instance, spec.generation, spec.slot)
         newest = self._newest.get(spec.instance, -1)
         if spec.generation < newest:
             return f"generation {spec.generation} is older than {newest}"
@@ -175,7 +175,7 @@ class NodeAgent:
                 self._newest[spec.instance] = spec.generation
         if why is not None:
             self.fenced += 1
-            self._inbox.drop(f"StartRunner of {spec.instance} stage {spec.stage}: {why}")
+            self._inbox.drop(f"StartRunner of {spec.instance} stage {spec.slot}: {why}")
             refuse("start_runner", "fenced", why)
             return
         issued = (cmd.term, cmd.view_seq)
@@ -184,7 +184,7 @@ class NodeAgent:
         if spec.model_dir or self._fetch is None:
             self._spawn(spec, cmd.threads, issued)
             return
-        key = (spec.instance, spec.generation, spec.stage)
+        key = (spec.instance, spec.generation, spec.slot)
         with self._lock:
             self._pending.add(key)
         # Copying weights takes a while: it runs beside the agent, which keeps obeying other commands.
@@ -195,7 +195,7 @@ class NodeAgent:
 
         def progress(done: int, total: int, source: str) -> None:
             beat = m.WeightsProgress(
-                generation=spec.generation, stage=spec.stage, done=done, total=total, source=source
+                generation=spec.generation, stage=spec.slot, done=done, total=total, source=source
             )
             self._report(spec, beat)
 
@@ -203,8 +203,8 @@ class NodeAgent:
             assert self._fetch is not None
             model_dir = self._fetch(cmd, progress)
         except Exception as exc:
-            log.error("stage %d of %s: no weights: %s", spec.stage, spec.instance, exc)
-            failed = m.RunnerFailed(stage=spec.stage, reason="load", message=f"weights: {exc}")
+            log.error("stage %d of %s: no weights: %s", spec.slot, spec.instance, exc)
+            failed = m.RunnerFailed(stage=spec.slot, reason="load", message=f"weights: {exc}")
             self._report(spec, failed.model_copy(update={"generation": spec.generation}))
             return
         finally:
@@ -241,7 +241,7 @@ class NodeAgent:
             )
             if self._fence(new) is not None:
                 return False
-            new_key = (new.instance, new.generation, new.stage)
+            new_key = (new.instance, new.generation, new.slot)
             del self._runners[key]
             runner.spec, runner.issued = new, issued  # its exit is now the new generation's
             self._runners[new_key] = runner
@@ -261,32 +261,32 @@ class NodeAgent:
                     runner.spec, runner.issued = old, old_issued
                     self._runners[key] = runner
             return False
-        log.info("stage %d of %s reuses runner %d", new.stage, new.instance, runner.proc.pid)
-        self._report(new, m.RunnerStarted(generation=new.generation, stage=new.stage, pid=runner.proc.pid))
+        log.info("stage %d of %s reuses runner %d", new.slot, new.instance, runner.proc.pid)
+        self._report(new, m.RunnerStarted(generation=new.generation, stage=new.slot, pid=runner.proc.pid))
         return True
 
     def _spawn(self, spec: m.RunnerSpec, threads: int, issued: tuple[int, int] = (0, 0)) -> None:
         spec = spec.model_copy(update={"parent_pid": os.getpid(), "runner_id": uuid.uuid4().hex})
-        key = (spec.instance, spec.generation, spec.stage)
+        key = (spec.instance, spec.generation, spec.slot)
         with self._lock:
             if self._closed.is_set():
                 return
             if key in self._runners and self._runners[key].proc.poll() is None:
-                log.warning("stage %d of %s generation %d runs already", spec.stage, spec.instance, key[1])
+                log.warning("stage %d of %s generation %d runs already", spec.slot, spec.instance, key[1])
                 return  # never overwritten (see _fence)
             proc = spawn_runner(spec, threads, self._credentials)  # under the lock: close() cannot miss it
-            runner_log = RotatingLog(stage_log(self.log_dir, spec.instance, spec.stage))
+            runner_log = RotatingLog(stage_log(self.log_dir, spec.instance, spec.slot))
 
             def on_diagnostic(diag: Diagnostic) -> None:
                 log.warning("stage %s: %s %s", diag.stage, diag.kind, diag.line)
                 if diag.fatal:
-                    fatal = m.RunnerDiagnostic(generation=spec.generation, stage=spec.stage, diagnostic=diag)
+                    fatal = m.RunnerDiagnostic(generation=spec.generation, stage=spec.slot, diagnostic=diag)
                     self._report(spec, fatal)
 
-            pump = pump_stream(proc.stdout, spec.stage, runner_log, LineClassifier(spec.stage), on_diagnostic)
+            pump = pump_stream(proc.stdout, spec.slot, runner_log, LineClassifier(spec.slot), on_diagnostic)
             runner = _Runner(spec, proc, runner_log, pump, issued)
             self._runners[key] = runner
-        self._report(spec, m.RunnerStarted(generation=spec.generation, stage=spec.stage, pid=proc.pid))
+        self._report(spec, m.RunnerStarted(generation=spec.generation, stage=spec.slot, pid=proc.pid))
         threading.Thread(target=self._wait, args=(runner,), daemon=True, name=f"wait-{proc.pid}").start()
 
     def _wait(self, runner: _Runner) -> None:
@@ -301,18 +301,18 @@ class NodeAgent:
             if not stopped_reported and _is_stopped(runner.proc.pid):
                 stopped_reported = True
                 spec = runner.spec
-                stopped = m.RunnerStopped(generation=spec.generation, stage=spec.stage, pid=runner.proc.pid)
+                stopped = m.RunnerStopped(generation=spec.generation, stage=spec.slot, pid=runner.proc.pid)
                 self._report(spec, stopped)
         runner.pump.join(timeout=5)  # its last lines, for the tail
         runner.log.close()
         with self._lock:  # read under the lock: a reused runner belongs to its newest generation
             spec = runner.spec
-            key = (spec.instance, spec.generation, spec.stage)
+            key = (spec.instance, spec.generation, spec.slot)
             if self._runners.get(key) is runner:
                 del self._runners[key]
         exited = m.RunnerExited(
             generation=spec.generation,
-            stage=spec.stage,
+            stage=spec.slot,
             pid=runner.proc.pid,
             code=code if code >= 0 else None,
             signal=-code if code < 0 else None,
@@ -334,7 +334,7 @@ class NodeAgent:
             self._cancelled |= {k for k in self._pending if k[0] == instance and k[1] != keep}
         if grace_s > 0:
             for r in doomed:
-                if r.spec.stage == 0 and r.proc.poll() is None:
+                if r.spec.slot == 0 and r.proc.poll() is None:
                     self._shut_down(r.spec)
         stop_runners([r.proc for r in doomed], grace=grace_s)
 

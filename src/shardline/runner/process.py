@@ -57,7 +57,7 @@ class RunnerProcess:
         self.session = open_session(spec.listen, spec.connect, Link(credentials=Credentials.from_env()))
         self.rejoin_spec: RunnerSpec | None = None
         self.inbox = self._inbox(spec)
-        self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
+        self.status = Outbox(self.session, self.keys.status(spec.slot), spec.generation)
         self.faults = Faults(spec.fault)
         self.policy = spec.policy
         self.speed = Speed()
@@ -74,7 +74,7 @@ class RunnerProcess:
         self.group = None
 
     def _inbox(self, spec: RunnerSpec) -> Inbox:
-        inbox = Inbox(self.session, spec.generation, name=f"stage {spec.stage}")
+        inbox = Inbox(self.session, spec.generation, name=f"stage {spec.slot}")
         if spec.is_face:  # a group's other members hear the ring through their face
             inbox.subscribe(self.keys.ring(spec.ring), m.RING, "ring")
         self.received: dict[str, int] = {}  # front -> newest control seq that reached this generation
@@ -107,7 +107,7 @@ class RunnerProcess:
     def start(self) -> None:
         spec = self.spec
         self.status.wait_matched(spec.load_timeout)
-        self.status.send(m.Loading(stage=spec.stage, pid=os.getpid()))
+        self.status.send(m.Loading(stage=spec.slot, pid=os.getpid()))
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.faults.maybe_fire("load", 0)
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
@@ -175,7 +175,7 @@ class RunnerProcess:
     def _lost(self, slot: int) -> None:
         """A group peer stopped answering or broke its stream: name it before this runner fails."""
         try:
-            self.status.send(m.PeerLost(stage=self.spec.stage, peer=slot))
+            self.status.send(m.PeerLost(stage=self.spec.slot, peer=slot))
         except Exception:
             pass
 
@@ -193,10 +193,10 @@ class RunnerProcess:
         self.faults = Faults(spec.fault)
         self.worker.clear()  # the old generation's requests are resubmitted by their fronts
         self.inbox = self._inbox(spec)
-        self.status = Outbox(self.session, self.keys.status(spec.stage), spec.generation)
+        self.status = Outbox(self.session, self.keys.status(spec.slot), spec.generation)
         old_status.close()
         self.status.wait_matched(spec.load_timeout, abort=self._abort_wait)
-        self.status.send(m.Loading(stage=spec.stage, pid=os.getpid()))
+        self.status.send(m.Loading(stage=spec.slot, pid=os.getpid()))
         self._link([])
 
     def _link(self, warmup: list[m.StepTime]) -> None:
@@ -216,7 +216,7 @@ class RunnerProcess:
             self.leader.warm_ring()  # the whole ring works, and the leader knows every stage's speed
         self.status.send(
             m.Ready(
-                stage=spec.stage,
+                stage=spec.slot,
                 pid=os.getpid(),
                 weight_bytes=self.weight_bytes,
                 layers=(spec.layer_start, spec.layer_end),
@@ -229,7 +229,7 @@ class RunnerProcess:
     def _peer_lost(self) -> None:
         """The next stage vanished: say so at once (a killed machine is seen in well under its lease)."""
         try:
-            self.status.send(m.PeerLost(stage=self.spec.stage, peer=self.spec.next_stage))
+            self.status.send(m.PeerLost(stage=self.spec.slot, peer=self.spec.next_stage))
         except Exception:
             pass
 
@@ -238,7 +238,7 @@ class RunnerProcess:
         busy = self.busy
         kv = w.kv_figures() if w else (0, 0)
         return m.Heartbeat(
-            stage=self.spec.stage,
+            stage=self.spec.slot,
             steps=w.steps if w else 0,
             busy=busy is not None,
             phase="ready" if self.phase == "ready" else "loading",
@@ -317,12 +317,12 @@ class RunnerProcess:
 
     def die(self, reason: str, message: str) -> None:
         print(
-            f"shardline runner stage {self.spec.stage} failed ({reason}): {message}",
+            f"shardline runner stage {self.spec.slot} failed ({reason}): {message}",
             file=sys.stderr,
             flush=True,
         )
         try:
-            self.status.send(m.RunnerFailed(stage=self.spec.stage, reason=reason, message=message))
+            self.status.send(m.RunnerFailed(stage=self.spec.slot, reason=reason, message=message))
         finally:
             os._exit(EXIT_FAILED)
 
@@ -384,7 +384,7 @@ class RunnerProcess:
             elif isinstance(msg, m.Rejoin):
                 raise RejoinRequested(msg.spec)
             else:
-                self.inbox.drop(f"stage {self.spec.stage} does not take {msg.kind} messages")
+                self.inbox.drop(f"stage {self.spec.slot} does not take {msg.kind} messages")
 
     def serve_member(self, group: GroupMember) -> None:
         """A group member: what its face obeys, in the face's order. The face checked each step against the
@@ -461,9 +461,9 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:
         reason = _reason(exc, phase)
         message = f"{type(exc).__name__}: {exc}"
-        print(f"shardline runner stage {spec.stage} failed ({reason}): {message}", file=sys.stderr)
+        print(f"shardline runner stage {spec.slot} failed ({reason}): {message}", file=sys.stderr)
         try:
-            runner.status.send(m.RunnerFailed(stage=spec.stage, reason=reason, message=message))
+            runner.status.send(m.RunnerFailed(stage=spec.slot, reason=reason, message=message))
         except Exception:
             pass
         if not isinstance(exc, Exception):

@@ -16,5 +16,5 @@ class RejoinRequested(Exception):
     """The node agent hands this process a stage of a newer generation (same layers): relink, keep weights."""
 
     def __init__(self, spec: RunnerSpec) -> None:
-        super().__init__(f"rejoin as generation {spec.generation} stage {spec.stage}")
+        super().__init__(f"rejoin as generation {spec.generation} stage {spec.slot}")
         self.spec = spec

@@ -41,7 +41,7 @@ def _node(root: Path, name: str, settings: ApiSettings) -> Node:
         namespace=f"hardening-{name}",
         data_dir=root / name,
         models_dir=root / "models",
-        worker=False,
+        holds_stages=False,
         compute_score=1.0,
         api=settings,
     )

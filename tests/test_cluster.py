@@ -129,7 +129,7 @@ def test_sigkill_of_a_stage_node_mid_generation_replaces_and_completes_exactly(m
 
 @pytest.mark.timeout(180)
 def test_master_without_stage_killed_new_master_in_seconds_runners_untouched(make_cluster, reference):
-    cluster = make_cluster(["a0", "b1", "b2"], node_extra={"a0": ["--no-worker"]})
+    cluster = make_cluster(["a0", "b1", "b2"], node_extra={"a0": ["--no-stages"]})
     client = cluster.client("b1")
     wait_nodes(client, {"a0", "b1", "b2"})
     client.wait(lambda v: v.master == "a0", 15, "a0 as master")

@@ -79,7 +79,7 @@ def _cluster(root: Path, model_dir: Path, reuse: bool, tls: bool = False) -> Loc
         model_dir.parent,
         # Declared equal speeds: the same split over any two nodes, so a survivor's layers can stay put.
         extra=["--prefill-step", "128", "--compute-score", "50"],
-        node_extra={"a0": ["--no-worker"]},
+        node_extra={"a0": ["--no-stages"]},
         runners={**runners, "reuse_survivors": reuse},
         tls_root=tls_root,
     ).start()

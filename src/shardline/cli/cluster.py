@@ -124,7 +124,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         models_dir=args.models_dir,
         memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
-        worker=not args.no_worker,
+        holds_stages=not args.no_stages,
         name=args.name,
         threads=args.threads,
         compute_score=args.compute_score,
@@ -444,7 +444,10 @@ def add_commands(sub: Any) -> None:
         "--models-dir", type=Path, default=None, help="models this node holds (default: the cache)"
     )
     node.add_argument("--memory-limit", default=None, help="memory this node offers, e.g. 24G")
-    node.add_argument("--no-worker", action="store_true", help="never hold a stage")
+    # --no-worker: the flag's first name, kept for scripts that use it
+    node.add_argument(
+        "--no-stages", "--no-worker", dest="no_stages", action="store_true", help="never hold a stage"
+    )
     node.add_argument("--name", default=None, help="a readable name for this node (default: the host name)")
     node.add_argument("--threads", type=int, default=0, help="threads per runner (0: cores / stages)")
     node.add_argument(

@@ -335,7 +335,7 @@ def _place(
     if digest is None:  # no copy could be checked, or holders disagree: nothing is placed on trust
         error = cs.digest_refusal(snap, q.model)
         return state, cm.MasterReply(ok=False, error=error, term=state.term), []
-    nodes = [c for c in cs.capacities(snap) if _worker(snap, c.node_id)]
+    nodes = [c for c in cs.capacities(snap) if _holds_stages(snap, c.node_id)]
     try:
         placement = place(fp, nodes, q.request)
         why, runners = _arranged(snap, fp, nodes, placement, q.request)
@@ -388,9 +388,9 @@ def _arranged(
     return f"{choice.explanation} [link {source}]", records
 
 
-def _worker(snap: cs.ClusterState, node_id: str) -> bool:
+def _holds_stages(snap: cs.ClusterState, node_id: str) -> bool:
     r = snap.reports.get(node_id)
-    return r is not None and r.worker
+    return r is not None and r.holds_stages
 
 
 # ---- controllers' updates ------------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def layout(
         raise LayoutError(f"instance {instance!r} was removed")
     snap = state.snapshot.cluster
     fp = cs.footprint(snap, rec.model)
-    nodes = [c for c in cs.capacities(snap, instance) if _worker(snap, c.node_id)]
+    nodes = [c for c in cs.capacities(snap, instance) if _holds_stages(snap, c.node_id)]
     digest = rec.digest or cs.expected_digest(snap, rec.model) or ""
     sources = cs.sources(snap, rec.model, digest)
     endpoints = {n: r.endpoint for n, r in snap.reports.items()}

@@ -67,7 +67,7 @@ class NodeReport(Wire):
     name: str
     endpoint: str  # where peers (and runners) connect to this node's session
     started_at: float  # wall clock
-    worker: bool = True  # False: never holds a stage (--no-worker)
+    holds_stages: bool = True  # False: never holds a stage (--no-stages)
     api: str = ""  # the node's HTTP API (http://host:port), "" without one
     leaving: bool = False  # its last report: it is shutting down
     resources: Resources

@@ -77,7 +77,7 @@ class NodeConfig(BaseModel):
     data_dir: Path | None = None
     models_dir: Path | None = None  # None: the model cache (where `shardline models pull` imports)
     memory_limit: int | None = Field(None, gt=0)
-    worker: bool = True  # False: this node never holds a stage (it may still be master and serve)
+    holds_stages: bool = True  # False: this node never holds a stage (it may still be master and serve)
     name: str | None = None
     threads: int = Field(0, ge=0)  # per runner; 0: the machine's cores over the stages it holds
     compute_score: float | None = Field(None, gt=0)  # None: measured at start
@@ -151,7 +151,7 @@ class Node:
     # ---- lifecycle -----------------------------------------------------------------------------------------
 
     def start(self) -> Node:
-        if self.config.worker:  # before the first report: every model it lists has its digests recorded
+        if self.config.holds_stages:  # before the first report: every model it lists has its digests recorded
             record_imports(self.models_root)
         self.session = s = open_session([self.endpoint], list(self.config.peers), self.link)
         register_sealer(s, self._sealer)  # the master's commands to node agents carry this node's seal
@@ -174,7 +174,7 @@ class Node:
                 allow_faults=self.config.allow_faults,
                 credentials=self.config.credentials,
             ).start()
-            if self.config.worker
+            if self.config.holds_stages
             else None
         )
         self.weights = WeightServer(
@@ -555,11 +555,11 @@ class Node:
             name=self.name,
             endpoint=self.endpoint,
             started_at=self.started_at,
-            worker=self.config.worker,
+            holds_stages=self.config.holds_stages,
             api=self.api.url if self.api is not None else "",
             leaving=self._leaving,
             resources=resources(self.score, self.device, self.config.memory_limit, held, self.read_gbps),
-            models=self.models() if self.config.worker else {},
+            models=self.models() if self.config.holds_stages else {},
             runners=self.runner_infos(),
             term=term,
             config=config,
@@ -572,7 +572,7 @@ class Node:
     def _live_peers(self) -> list[str]:
         with self.lock:
             reports = self.state.reports
-            return sorted(n for n in self.state.alive if n in reports and reports[n].worker)
+            return sorted(n for n in self.state.alive if n in reports and reports[n].holds_stages)
 
     def _reporter(self) -> None:
         while not self._closed.wait(self.config.report_s):  # the report period, not a synchronisation

@@ -40,7 +40,7 @@ class WeightServer:
         namespace: str,
         node_id: str,
         models_root: Path,
-        workers: int = 4,
+        threads: int = 4,
         *,
         tamper: Tamper | None = None,
     ) -> None:
@@ -53,7 +53,7 @@ class WeightServer:
         self._build_locks: dict[str, threading.Lock] = {}
         self._cache: dict[str, tuple[object, Manifest, str]] = {}  # model -> (dir state, manifest, digest)
         # Replies come from a pool, not zenoh's callback threads: hashing and disk reads never stall zenoh.
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"weights-{node_id}")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"weights-{node_id}")
         self._closed = False
         self._queryable = session.declare_queryable(self._prefix + "**", self._on_query)
         # Read every manifest now, in the background: the first copy a peer asks for (a recovery, most

@@ -50,8 +50,8 @@ def _shardline_imports(path: Path) -> set[str]:
 
 @pytest.mark.timeout(60)
 def test_no_prefix_cache_reaches_the_instance_settings_of_every_command_that_takes_them():
-    from shardline.cli.cluster import node_flags, runner_settings
-    from shardline.cli.main import engine_config
+    from shardline.cli.cluster import runner_settings
+    from shardline.cli.local import engine_config, node_flags
 
     parse = build_parser().parse_args
     assert runner_settings(parse(["node"])).prefix_cache is True  # on unless asked

@@ -1,44 +1,19 @@
-"""The cluster's commands: `shardline node`, `up`, `place`, and generating through a cluster."""
+"""The commands that run or reach a cluster: `shardline node` (this machine's daemon), `cluster` (its TLS
+certificates and membership), `place`, and generating through a cluster (`generate --cluster`)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardline.cli.common import CliError, add_prefix_cache_arg, encode_prompt, positive, stream_tokens
+from shardline.cli.common import CliError, add_prefix_cache_arg, positive, wait_for_signal
 from shardline.instance import settings
 
 DEFAULT_PORT = 7447
-
-
-class Interrupted(Exception):
-    pass
-
-
-def _wait_for_signal() -> int:
-    """Block until SIGINT or SIGTERM; returns the signal number."""
-    got: list[int] = []
-    done = threading.Event()
-
-    def handler(signum: int, _frame: object) -> None:
-        got.append(signum)
-        done.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-    while not done.wait(1.0):  # wakes for signals; the period is not a synchronisation
-        pass
-    return got[0]
 
 
 def credentials(args: argparse.Namespace) -> Any:
@@ -137,7 +112,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     api = f", HTTP API on {node.api.url}" if node.api is not None else ""
     print(f"shardline node {node.node_id} ({node.name}) listening on {node.endpoint}{api}", flush=True)
     try:
-        _wait_for_signal()
+        wait_for_signal()
     finally:
         node.close()
     return 0
@@ -207,116 +182,6 @@ def cmd_place(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_nodes(
-    count: int,
-    base_dir: Path,
-    port: int,
-    extra: list[str] | None = None,
-    quiet: bool = True,
-    api_port: int | None = None,
-    creds: Any = None,
-    tls_root: Path | None = None,
-) -> tuple[list[subprocess.Popen], str]:
-    """`count` node daemons on loopback; the first listens on `port`, the others name it as a peer. Node i
-    serves HTTP on api_port + i (none when api_port is None). The key (creds) reaches them in their
-    environment; with tls_root, node i uses the TLS folder tls_root/nodes/node-i."""
-    first = f"{'tls' if tls_root else 'tcp'}/127.0.0.1:{port}"
-    env = {**os.environ, **(creds.env() if creds is not None else {})}
-    env.pop("SHARDLINE_TLS_DIR", None)  # each node has its own folder
-    procs = []
-    for i in range(count):
-        listen = first if i == 0 else "tcp/127.0.0.1:0"
-        argv = [sys.executable, "-m", "shardline", "node", "--listen", listen, "--name", f"node-{i}"]
-        argv += ["--data-dir", str(base_dir / f"node-{i}"), "--threads", "1", *(extra or [])]
-        argv += ["--no-api"] if api_port is None else ["--api-port", str(api_port + i)]
-        if tls_root is not None:
-            argv += ["--tls", str(tls_root / "nodes" / f"node-{i}")]
-        if i:
-            argv += ["--peer", first]
-        out = subprocess.DEVNULL if quiet else None
-        procs.append(subprocess.Popen(argv, stdout=out, start_new_session=True, env=env))
-    return procs, first
-
-
-def stop_nodes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """SIGTERM (each node stops its runners), then SIGKILL what is left of each process group."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        p.wait()
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from platformdirs import user_data_dir
-
-    from shardline.cluster.client import ClusterClient
-    from shardline.models.registry import resolve_model
-    from shardline.trust import ca
-    from shardline.trust.credentials import Credentials
-
-    positive(args.nodes, "--nodes")
-    creds = credentials(args)  # the key, if one is given; TLS is made here when asked for
-    model_dir = resolve_model(args.model)  # import the model once, before any node reports it
-    base = Path(args.data_dir or Path(user_data_dir("shardline")) / "up")
-    tls_root = None
-    if args.make_tls:
-        tls_root = base / "tls"
-        shutil.rmtree(tls_root, ignore_errors=True)  # a fresh CA per run: nothing old is trusted
-        ca.init(tls_root, [f"node-{i}" for i in range(args.nodes)])
-        creds = Credentials(creds.key, tls_root / "nodes" / "client")
-    from shardline.node.daemon import ELECTION_FILE
-
-    # `up` starts every node of its cluster at once: they form a fresh membership of these N (a run with
-    # fewer nodes than the last must not wait for members that will never start).
-    for i in range(args.nodes):
-        (base / f"node-{i}" / ELECTION_FILE).unlink(missing_ok=True)
-    extra = ["--models-dir", str(model_dir.parent), *node_flags(args)]
-    procs, endpoint = start_nodes(
-        args.nodes, base, args.port, extra, not args.verbose, args.api_port, creds, tls_root
-    )
-    try:
-        with ClusterClient([endpoint], credentials=creds) as client:
-            try:
-                client.wait(lambda v: sum(n.alive for n in v.nodes) >= args.nodes, 60, f"{args.nodes} nodes")
-                reply = client.place(model_dir.name)
-                assert reply.instance is not None
-                rec = client.wait_ready(reply.instance.instance, args.timeout)
-            except Exception as exc:
-                raise CliError(str(exc)) from exc
-            stages = ", ".join(f"{s.node_id}[{s.start},{s.end})" for s in rec.stages)
-            api = f"http://127.0.0.1:{args.api_port}"
-            print(
-                f"shardline: {model_dir.name} ready on {args.nodes} nodes ({stages}); OpenAI, Anthropic and "
-                f"Ollama APIs on {api} (node i on port {args.api_port} + i), the dashboard at {api}/. Try:",
-                curl_line(api, rec.model),
-                sep="\n",
-                flush=True,
-            )
-            if args.ask:
-                _ask(client, rec.instance, model_dir, args.ask)
-                print("shardline: serving until Ctrl-C", flush=True)
-            _wait_for_signal()
-    finally:
-        stop_nodes(procs)
-    return 0
-
-
-def node_flags(args: argparse.Namespace) -> list[str]:
-    """The flags of `shardline up` that each node it starts takes as its own."""
-    return ["--no-prefix-cache"] if args.no_prefix_cache else []
-
-
 def cmd_cluster_init(args: argparse.Namespace) -> int:
     from shardline.trust import ca
     from shardline.trust.credentials import CredentialsError
@@ -375,23 +240,6 @@ def cmd_cluster_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-def curl_line(api: str, model: str, prompt: str = "What is the capital of France?") -> str:
-    messages = [{"role": "user", "content": prompt}]
-    body = json.dumps({"model": model, "stream": True, "temperature": 0, "messages": messages})
-    return f"curl -N {api}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
-
-
-def _ask(client: Any, instance: str, model_dir: Path, prompt: str) -> None:
-    """Stream one answer through this client's front (the demo of `make run`)."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    print(f"> {prompt}", flush=True)
-    ids = encode_prompt(tokenizer, prompt, raw=False)
-    handle = client.front(instance).submit(ids, max_tokens=256, stop_tokens=list(tokenizer.eos_token_ids))
-    stream_tokens(handle, tokenizer)
-
-
 def generate_on_cluster(
     args: argparse.Namespace,
     model: str,
@@ -416,7 +264,7 @@ def generate_on_cluster(
     return 0
 
 
-def add_commands(sub: Any) -> None:
+def add_node(sub: Any) -> None:
     node = sub.add_parser("node", help="run this machine's node daemon (agent, weights, master when elected)")
     node.add_argument(
         "--listen", default=f"tcp/127.0.0.1:{DEFAULT_PORT}", help="endpoint for peers and runners"
@@ -493,35 +341,8 @@ def add_commands(sub: Any) -> None:
     node.add_argument("--no-api", action="store_true", help="serve no HTTP API")
     node.set_defaults(func=cmd_node)
 
-    up = sub.add_parser("up", help="a local cluster of N node daemons serving a model")
-    up.add_argument("--nodes", type=int, default=2, help="node daemons to start on this machine")
-    up.add_argument(
-        "--model", default=None, help="model name or mlx-lm model directory (default: the built-in model)"
-    )
-    up.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="cluster port of the first node (the others join it)"
-    )
-    up.add_argument("--api-port", type=int, default=8000, help="node i serves HTTP on this port + i")
-    up.add_argument(
-        "--data-dir", type=Path, default=None, help="node i keeps its identity and logs in DIR/node-i"
-    )
-    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to be ready")
-    up.add_argument("--ask", default=None, help="once ready, stream the answer to this prompt")
-    add_prefix_cache_arg(up)
-    up.add_argument(
-        "--tls",
-        dest="make_tls",
-        action="store_true",
-        help="every link over TLS: a fresh cluster CA and node certificates",
-    )
-    up.add_argument(
-        "--cluster-key-file",
-        type=Path,
-        default=None,
-        help="file (mode 600) holding a shared secret the nodes require (default: $SHARDLINE_CLUSTER_KEY)",
-    )
-    up.set_defaults(func=cmd_up)
 
+def add_cluster(sub: Any) -> None:
     cluster = sub.add_parser("cluster", help="a cluster's TLS certificates (a CA, and one folder per node)")
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
     init = csub.add_parser("init", help="make a cluster CA in DIR/ca and a TLS folder per node in DIR/nodes")
@@ -553,6 +374,8 @@ def add_commands(sub: Any) -> None:
     add_credential_args(fgt)
     fgt.set_defaults(func=cmd_cluster_forget)
 
+
+def add_place(sub: Any) -> None:
     place = sub.add_parser("place", help="place a model on a running cluster (or preview with --dry-run)")
     place.add_argument("model", help="the model to place (a name some node holds)")
     place.add_argument(

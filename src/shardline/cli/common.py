@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
+MODEL_HELP = "model name or mlx-lm model directory (default: the built-in model)"
 PREFIX_CACHE_HELP = (
     "prefill every prompt in full: keep no prompt KV for later requests that begin the same way"
 )
@@ -18,6 +21,22 @@ def positive(value: int, name: str) -> int:
     if value < 1:
         raise CliError(f"{name} must be at least 1, got {value}")
     return value
+
+
+def wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM; returns the signal number."""
+    got: list[int] = []
+    done = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        got.append(signum)
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    while not done.wait(1.0):  # wakes for signals; the period is not a synchronisation
+        pass
+    return got[0]
 
 
 def add_prefix_cache_arg(parser: argparse.ArgumentParser) -> None:

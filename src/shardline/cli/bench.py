@@ -1,0 +1,269 @@
+"""`shardline bench`: each benchmark's flags, checked here, and its run in shardline.bench."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from shardline.cli.common import MODEL_HELP, CliError, positive
+
+JSON_HELP = "write the results to this file"
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from shardline.bench.engine import run
+
+    run(model=args.model, json_path=args.json, quick=args.quick, pairs=positive(args.rounds, "--rounds"))
+    return 0
+
+
+def cmd_bench_tp(args: argparse.Namespace) -> int:
+    from shardline.bench.tp import run
+
+    run(json_path=args.json, rounds=positive(args.rounds, "--rounds"), quick=args.quick)
+    return 0
+
+
+def cmd_bench_attention(args: argparse.Namespace) -> int:
+    from shardline.bench.attention import run
+
+    run(model=args.model, json_path=args.json, rounds=positive(args.rounds, "--rounds"))
+    return 0
+
+
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from shardline.bench.chaos import run
+
+    positive(args.requests, "--requests")
+    if args.stages not in (2, 3):
+        raise CliError(f"--stages must be 2 or 3, got {args.stages}")
+    run(model=args.model, json_path=args.json, requests=args.requests, seed=args.seed, stages=args.stages)
+    return 0
+
+
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    from shardline.bench.resume import run
+
+    run(model=args.model, json_path=args.json)
+    return 0
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from shardline.bench.cluster import run
+
+    run(model=args.model, json_path=args.json, tls=args.tls)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from shardline.bench.serve import run
+
+    positive(args.clients, "--clients")
+    positive(args.max_tokens, "--max-tokens")
+    positive(args.pairs, "--pairs")
+    run(
+        model=args.model,
+        json_path=args.json,
+        clients=args.clients,
+        max_tokens=args.max_tokens,
+        pairs=args.pairs,
+    )
+    return 0
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from shardline.bench.quality import run
+
+    try:
+        stages = [positive(int(x), "--stages") for x in args.stages.split(",") if x.strip()]
+    except ValueError as exc:
+        raise CliError(f"--stages takes stage counts separated by commas, e.g. 1,2 ({exc})") from exc
+    positive(args.ctx, "--ctx")
+    if args.chunks is not None:
+        positive(args.chunks, "--chunks")
+    run(
+        model=args.model,
+        text_file=args.text,
+        stages=stages,
+        ctx=args.ctx,
+        chunks=args.chunks,
+        gguf=args.gguf,
+        json_path=args.json,
+    )
+    return 0
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from shardline.bench.scale import BENCH_SPEC, run
+
+    positive(args.tokens, "--tokens")
+    if not 0 < args.fraction < 1:
+        raise CliError(f"--fraction must be between 0 and 1, got {args.fraction}")
+    dtype = args.dtype or BENCH_SPEC.dtype
+    spec = replace(BENCH_SPEC, layers=positive(args.layers, "--layers"), bits=args.bits, dtype=dtype)
+    spec.check()
+    run(json_path=args.json, spec=spec, fraction=args.fraction, tokens=args.tokens)
+    return 0
+
+
+def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
+    from shardline.bench.llama_cpp import main
+
+    return main(args.build, args.jobs)
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from shardline.bench.soak import fault_kinds, run, use_netns
+
+    minutes = args.seconds / 60 if args.seconds is not None else args.minutes
+    if not minutes > 0:
+        raise CliError("--minutes (or --seconds) must be > 0")
+    if args.nodes < 2:
+        raise CliError(f"--nodes must be at least 2, got {args.nodes}")
+    if args.concurrency is not None:
+        positive(args.concurrency, "--concurrency")
+    model = None if args.model in (None, "default") else args.model
+    if args.fault_interval is not None and not args.fault_interval > 0:
+        raise CliError("--fault-interval must be > 0")
+    try:
+        netns = use_netns(args.netns)
+        kinds = [k.strip() for k in args.faults.split(",") if k.strip()] if args.faults is not None else None
+        faults = fault_kinds(kinds, netns, args.nodes)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    run(
+        minutes,
+        args.nodes,
+        args.json,
+        model,
+        args.concurrency,
+        args.seed,
+        args.max_tokens,
+        args.fault_interval,
+        netns,
+        faults,
+    )
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks, reported as ratios against a side-by-side baseline")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    be = bsub.add_parser(
+        "engine", help="decode, prefill overlap, activation memory, batched streams, against mlx-lm"
+    )
+    be.add_argument("--model", default=None, help=MODEL_HELP)
+    be.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
+    be.add_argument("--rounds", type=int, default=3, help="alternating baseline / engine rounds")
+    be.set_defaults(func=cmd_bench_engine)
+    btp = bsub.add_parser(
+        "tp", help="one stream on a tensor-parallel group of 2 against one runner and a 2-stage pipeline"
+    )
+    btp.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    btp.add_argument("--rounds", type=int, default=2, help="rounds of single, tp2, pp2, single")
+    btp.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
+    btp.set_defaults(func=cmd_bench_tp)
+    ba = bsub.add_parser("attention", help="a prefill chunk's attention: the runner's kernel against MLX's")
+    ba.add_argument("--model", default=None, help=MODEL_HELP)
+    ba.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    ba.add_argument("--rounds", type=int, default=3, help="alternating rounds over the kernels")
+    ba.set_defaults(func=cmd_bench_attention)
+    bc = bsub.add_parser("chaos", help="requests while stages are killed, stalled and aborted at random")
+    bc.add_argument("--model", default=None, help=MODEL_HELP)
+    bc.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bc.add_argument("--requests", type=int, default=8, help="requests to run through the faults")
+    bc.add_argument("--seed", type=int, default=0, help="seed of the random faults")
+    bc.add_argument("--stages", type=int, default=2, help="pipeline stages (2 or 3)")
+    bc.set_defaults(func=cmd_bench_chaos)
+    br = bsub.add_parser("resume", help="pause and exactness of exact vs fast resume after a SIGKILL")
+    br.add_argument("--model", default=None, help=MODEL_HELP)
+    br.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    br.set_defaults(func=cmd_bench_resume)
+    bcl = bsub.add_parser("cluster", help="join, master failover and node loss times on loopback daemons")
+    bcl.add_argument("--model", default=None, help=MODEL_HELP)
+    bcl.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bcl.add_argument(
+        "--tls", action="store_true", help="every link over TLS, and the node kill also on a plain cluster"
+    )
+    bcl.set_defaults(func=cmd_bench_cluster)
+    bs = bsub.add_parser(
+        "serve", help="streaming clients over HTTP against the Python API, on a 2-node cluster"
+    )
+    bs.add_argument("--model", default=None, help=MODEL_HELP)
+    bs.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bs.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
+    bs.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
+    bs.add_argument("--pairs", type=int, default=3, help="alternating HTTP / Python API rounds")
+    bs.set_defaults(func=cmd_bench_serve)
+    bq = bsub.add_parser(
+        "quality", help="perplexity of a text through the engine's stages, scored as llama-perplexity"
+    )
+    bq.add_argument("--model", default=None, help=MODEL_HELP)
+    bq.add_argument("--text", type=Path, required=True, help="a UTF-8 text file (at least 2 x ctx tokens)")
+    bq.add_argument("--stages", default="1,2", help="stage counts to compare, e.g. 1,2")
+    bq.add_argument("--ctx", type=int, default=512, help="window of tokens; its second half is scored")
+    bq.add_argument("--chunks", type=int, default=None, help="score only the first N windows")
+    bq.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="llama.cpp's reference on this GGUF (default: the model's source)",
+    )
+    bq.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bq.set_defaults(func=cmd_bench_quality)
+    bsc = bsub.add_parser(
+        "scale", help="a synthetic model larger than any node's memory limit, across 3 local nodes"
+    )
+    bsc.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bsc.add_argument("--bits", type=int, default=4, help="quantization bits of the synthetic model (0: none)")
+    bsc.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="of its scales, biases and norms (default float32: MLX's fast CPU path today)",
+    )
+    bsc.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (~28M each)")
+    bsc.add_argument(
+        "--fraction", type=float, default=0.5, help="each node's limit: this much of the weights"
+    )
+    bsc.add_argument("--tokens", type=int, default=8, help="tokens to generate")
+    bsc.set_defaults(func=cmd_bench_scale)
+    bl = bsub.add_parser(
+        "llama-cpp", help="build llama.cpp's llama-bench and llama-perplexity (the reference)"
+    )
+    bl.add_argument("--build", action="store_true", help="fetch and build them now (about 10 minutes)")
+    bl.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
+    bl.set_defaults(func=cmd_bench_llama_cpp)
+    bso = bsub.add_parser(
+        "soak", help="minutes of HTTP load through every node of a local cluster, with chaos"
+    )
+    bso.add_argument("--minutes", type=float, default=10.0, help="how long the load runs")
+    bso.add_argument("--seconds", type=float, default=None, help="instead of --minutes (smoke runs)")
+    bso.add_argument("--nodes", type=int, default=3, help="node daemons of the local cluster")
+    bso.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bso.add_argument("--model", default=None, help="default, tiny (a tiny random model), or a name or path")
+    bso.add_argument("--concurrency", type=int, default=None, help="client threads (default: 2 per node)")
+    bso.add_argument("--seed", type=int, default=0, help="seed of the prompts and the faults")
+    bso.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default: the bench's)")
+    bso.add_argument(
+        "--fault-interval", type=float, default=None, help="mean seconds between faults (default 60)"
+    )
+    bso.add_argument(
+        "--netns",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each node in its own network namespace, clients in another, with link flaps "
+        "(default: on where namespaces work, i.e. as root)",
+    )
+    bso.add_argument(
+        "--faults",
+        default=None,
+        help="fault kinds, comma-separated: node_kill, node_stop, runner_stop, abusive_client (a client "
+        "sending the largest bodies the API takes, 1/s throughout), link_flap and partition (need --netns; "
+        "partition: the master and one node cut off from the rest) (default: all)",
+    )
+    bso.set_defaults(func=cmd_bench_soak)

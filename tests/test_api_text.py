@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardline.api.stops import MAX_STOP_CHARS, MAX_STOPS
-from shardline.api.text import MAX_HELD, Detokenizer, StopMatcher, TextStream
+from shardline.api.text_stream import MAX_HELD, Detokenizer, StopMatcher, TextStream
 
 
 def decode_with(tokenizer):

@@ -327,7 +327,7 @@ def test_a_beat_never_sees_a_submit_half_marked_as_sent(monkeypatch: pytest.Monk
 
 @pytest.mark.timeout(30)
 def test_a_finaliser_never_cancels_through_a_lock_its_thread_holds() -> None:
-    from shardline.api.service import ActiveRequest
+    from shardline.api.active import ActiveRequest
 
     with session_keys("final") as (session, keys):  # noqa: SIM117 (the front needs its session)
         with serving_front(session, keys, "f1") as front:
@@ -405,9 +405,9 @@ class _Metric:
 def test_a_stream_past_its_deadline_ends_with_a_timeout_error_in_its_apis_shape(flavor: str) -> None:
     import asyncio
 
+    from shardline.api.active import ActiveRequest
     from shardline.api.errors import ApiError, body
-    from shardline.api.service import ActiveRequest
-    from shardline.api.text import TextStream
+    from shardline.api.text_stream import TextStream
     from shardline.front.request import RequestHandle, RequestState
 
     state = RequestState(

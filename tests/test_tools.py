@@ -16,8 +16,8 @@ import pytest
 from test_constraints import END, _batched, _held, _vocab
 
 from shardline.api.errors import ApiError
+from shardline.api.model_text import load_model_text
 from shardline.api.response_format import checked
-from shardline.api.service import load_model_text
 from shardline.api.tools.calls import ArgsPiece, CallEnd, CallStart, CallStream, TextPiece, parse_calls
 from shardline.api.tools.prompt import (
     Tool,

@@ -1,15 +1,15 @@
-"""What every API route shares: find (or place) the model's instance, turn text into a request on this node's
-front, and turn the tokens that come back into text, timings and counts.
+"""What every API route shares: the target of a request (the model's instance, placed on request when it has
+none), admission (429 past max_pending) and the start of an active request on this node's front.
 
 The front (front/front.py) owns the request state, so a request streaming through this node survives the
-loss of any other node: the instance is rebuilt and the front resubmits. The routes only translate.
+loss of any other node: the instance is rebuilt and the front resubmits. The routes only translate. Beside
+this module: the model's text (api/model_text.py), the active request (api/active.py) and what the API hears
+from the cluster (api/events.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
 import math
 import queue
@@ -17,34 +17,28 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import zenoh
 from pydantic import BaseModel, Field
 
+from shardline.api.active import ActiveRequest
 from shardline.api.errors import ApiError
-from shardline.api.live import SAMPLE_S, Histories
+from shardline.api.events import Events
 from shardline.api.metrics import Metrics
-from shardline.api.steps import StepCounts
-from shardline.api.text import TextStream
-from shardline.api.tools.prompt import Tool, function_spec, generic_messages, template_takes_tools
+from shardline.api.model_text import ModelText, load_model_text
+from shardline.api.text_stream import TextStream
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
 from shardline.cluster.placement import PlacementRequest
 from shardline.compute.sampling import SamplingParams
-from shardline.dataplane import messages as m
-from shardline.dataplane.frame import decode
-from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
+from shardline.errors import ContextLengthError, EngineError, OverloadError
 from shardline.front.figures import LeaderFigures
 from shardline.front.front import Front
-from shardline.front.request import RequestDeadlineError, RequestHandle, Token
+from shardline.front.request import RequestHandle
 from shardline.models.footprint import ModelFootprint, footprint_from_dir
 
 log = logging.getLogger("shardline.api")
-REMOVED_AFTER_S = 2.0  # an instance missing from views this long is gone (a new master's first view may lag)
 # After a placement, how long to wait for the master's view to list the new instance: a few view periods,
 # and a little more per stage (a bigger placement is a bigger view to fold and publish).
 PLACED_VIEW_S = 5.0
@@ -63,227 +57,6 @@ class ApiSettings(BaseModel):
     max_pending: int = Field(64, ge=1)  # requests in flight through this node; one more gets 429
 
 
-# ---- the text side of a model ------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelText:
-    name: str
-    tokenizer: Any  # mlx-lm's TokenizerWrapper
-    context_length: int
-    vocab_size: int
-    family: str = ""
-
-    @property
-    def eos(self) -> list[int]:
-        return sorted(self.tokenizer.eos_token_ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def chat(self, messages: list[dict[str, Any]], tools: tuple[Tool, ...] = ()) -> list[int]:
-        """The prompt of a conversation (with tool calls and results, see api/tools/prompt.py)."""
-        template = getattr(self.tokenizer, "chat_template", None)
-        if template and template_takes_tools(template):  # the model's own tool format
-            specs = [function_spec(t) for t in tools] or None
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=specs, add_generation_prompt=True, tokenize=False
-            )
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        messages = generic_messages(messages, tools)
-        if template:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        # No template: a plain transcript that ends where the assistant speaks.
-        text = "".join(f"{msg['role']}: {msg['content']}\n" for msg in messages) + "assistant:"
-        return self.tokenizer.encode(text)
-
-    def text(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
-
-
-def load_model_text(model_dir: Path) -> ModelText:
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    tokenizer = load_tokenizer(model_dir)
-    return ModelText(
-        name=model_dir.name,
-        tokenizer=tokenizer,
-        context_length=int(config.get("max_position_embeddings") or 2048),
-        vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
-        family=str(config.get("model_type", "")),
-    )
-
-
-# ---- one request in flight ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Chunk:
-    text: str
-    tokens: list[Token]
-
-
-@dataclass
-class Timings:
-    ttft_s: float | None = None
-    prefill_tokens_per_s: float | None = None
-    decode_tokens_per_s: float | None = None
-    total_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float | None]:
-        return {k: (round(v, 6) if v is not None else None) for k, v in self.__dict__.items()}
-
-
-@dataclass
-class Outcome:
-    finish_reason: str  # "stop" (end token or stop string) or "length"
-    stop_sequence: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    text: str
-    timings: Timings
-    cached_tokens: int = 0  # of prompt_tokens, those the leader's prefix cache held (its Finished)
-
-
-@dataclass
-class ActiveRequest:
-    """One request through this node's front, as text. Iterate `chunks()`; then `outcome` is set."""
-
-    id: str
-    model: str
-    instance: str
-    handle: RequestHandle
-    stream: TextStream
-    text: ModelText  # the model's tokenizer: routes format logprobs with it, with no await in between
-    prompt_tokens: int
-    started: float
-    metrics: Metrics
-    release: Callable[[], None]
-    endpoint: str
-    # Runs a callable later, off whatever thread a finaliser interrupted (which may hold any lock).
-    defer: Callable[[Callable[[], None]], None] | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-    outcome: Outcome | None = None
-    _first: float | None = None
-    _last: float | None = None
-    _fed: int = 0  # tokens taken from the front (the text stream stops counting at a stop string)
-    _closed: bool = False
-    used: list[Token] = field(default_factory=list)  # tokens whose text was sent (with their logprobs)
-
-    async def chunks(self) -> AsyncIterator[Chunk]:
-        """Text as it becomes safe to send; ends at the end token, max_tokens or a stop string.
-
-        Leaving the iteration early (the client went away) cancels the request in the pipeline."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        self.handle.watch(lambda: loop.call_soon_threadsafe(wake.set))
-        outcome = "cancelled"
-        try:
-            while True:
-                wake.clear()
-                try:
-                    tokens, ended = self.handle.drain()
-                except RequestDeadlineError as exc:
-                    outcome = "error"
-                    raise ApiError(
-                        503, f"the request timed out: {exc}", "timeout_error", code="timeout"
-                    ) from exc
-                except RequestError as exc:
-                    outcome = "error"
-                    raise ApiError(503, f"the request failed: {exc}", "server_error") from exc
-                if tokens:
-                    counted = self.stream.tokens
-                    text = "".join(self._feed(t) for t in tokens)
-                    used = tokens[: self.stream.tokens - counted]  # those before a stop string
-                    self.used += used
-                    if self.stream.stopped is not None:
-                        self.handle.cancel_soon()  # the rest is not wanted: free the pipeline now
-                        self._finish("stop")
-                        yield Chunk(text + self.stream.flush(), used)
-                        return
-                    if text or used:
-                        yield Chunk(text, used)
-                if ended:
-                    reason = "stop" if self.handle.finish_reason == "stop" else "length"
-                    tail = self.stream.flush()
-                    self._finish(reason)
-                    if tail:
-                        yield Chunk(tail, [])
-                    return
-                if not tokens:
-                    await wake.wait()
-        finally:
-            self.close(outcome)
-
-    def __del__(self) -> None:
-        # A backstop: a run dropped on a path that never reached its response (an exception or a
-        # cancellation between start and respond) still frees its slot and its place in the pipeline. A
-        # finaliser may run inside any code holding any lock (the slot count's, the front's, a metric's):
-        # it only hands the close to the service, which runs it later.
-        if self._closed:
-            return
-        try:
-            if self.defer is not None:
-                self.defer(self.close)
-            else:
-                self.close()
-        except Exception:
-            pass
-
-    def close(self, outcome: str = "cancelled") -> None:
-        """End the request if it has not ended (cancelling it in the pipeline); free its slot. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.outcome is None:
-            self.handle.cancel_soon()  # sent from the front's thread: no blocking put on the event loop
-            self.metrics.requests.labels(self.endpoint, outcome).inc()
-        self.release()
-
-    def _feed(self, token: Token) -> str:
-        now = time.monotonic()
-        if self._first is None:
-            self._first = now
-            self.metrics.ttft.labels(self.model).observe(now - self.started)
-        elif self._last is not None:
-            self.metrics.itl.labels(self.model).observe(now - self._last)
-        self._last = now
-        self._fed += 1
-        return self.stream.feed(token.token)
-
-    def _finish(self, reason: str) -> None:
-        now = time.monotonic()
-        t = Timings(total_s=now - self.started)
-        if self._first is not None:
-            t.ttft_s = self._first - self.started
-            t.prefill_tokens_per_s = self.prompt_tokens / max(t.ttft_s, 1e-9)
-            n = self.stream.tokens
-            if n > 1 and self._last is not None and self._last > self._first:
-                t.decode_tokens_per_s = (n - 1) / (self._last - self._first)
-        self.outcome = Outcome(
-            finish_reason=reason,
-            stop_sequence=self.stream.stopped,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.stream.tokens,
-            text=self.stream.text,
-            timings=t,
-            cached_tokens=self.handle.state.cached_tokens,
-        )
-        self.metrics.tokens_out.labels(self.model).inc(self.stream.tokens)
-        self.metrics.requests.labels(self.endpoint, "ok").inc()
-
-    async def complete(self) -> Outcome:
-        async for _ in self.chunks():
-            pass
-        assert self.outcome is not None
-        return self.outcome
-
-
-# ---- the service -------------------------------------------------------------------------------------------
-
-
 class Service:
     def __init__(
         self, client: ClusterClient, models_root: Path, settings: ApiSettings, node_id: str = ""
@@ -299,34 +72,11 @@ class Service:
         self._pending_lock = threading.Lock()
         self._deferred: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # closes from finalisers
         self._finished: deque[float] = deque(maxlen=256)  # when recent requests ended: the drain rate
-        self._ids = itertools.count()
-        # Cluster events and views, fanned out to /events listeners (asyncio queues on the server's loop).
-        self._events_seen: set[tuple[float, str, str, str]] = set()
-        self.recent_events: deque[cm.ClusterEvent] = deque(maxlen=500)
-        self._listeners: set[tuple[asyncio.AbstractEventLoop, asyncio.Queue[tuple[str, Any]]]] = set()
-        self._listeners_lock = threading.Lock()
-        self._views: deque[cm.ClusterView] = deque(maxlen=1)
-        self._view_ready = threading.Event()
-        self._closed = threading.Event()
-        self._steps = StepCounts()
         self._placing: dict[str, asyncio.Task[cm.InstanceRecord]] = {}  # model -> its one placement
-        self.histories = Histories()
-        self._missing: dict[str, float] = {}  # instance -> since when views no longer list it
-        self._status_sub = client.session.declare_subscriber(
-            f"{client.namespace}/i/*/*/status/*", self._on_status
-        )
-        client.listen(self._on_view)
-        self._thread = threading.Thread(target=self._follow, daemon=True, name="api-views")
-        self._thread.start()
+        self.events = Events(client, self.metrics, self.run_deferred, settings.max_pending)
 
     def close(self) -> None:
-        self._closed.set()
-        self._view_ready.set()
-        self._thread.join(timeout=5)
-        try:
-            self._status_sub.undeclare()
-        except zenoh.ZError:
-            pass
+        self.events.close()
 
     # ---- the cluster, as the API sees it -------------------------------------------------------------------
 
@@ -364,7 +114,7 @@ class Service:
 
     def figures(self) -> dict[str, LeaderFigures]:
         """Each instance's figures from its leader's beats (every node's traffic), by instance."""
-        return {i: f.figures for i, f in self.client.fronts().items()}
+        return self.events.figures()
 
     async def text_of(self, model: str) -> ModelText:
         with self._texts_lock:
@@ -578,102 +328,6 @@ class Service:
             endpoint=endpoint,
             defer=self.defer,
         )
-
-    # ---- events --------------------------------------------------------------------------------------------
-
-    def _on_view(self, view: cm.ClusterView) -> None:
-        self._views.append(view)
-        self._view_ready.set()
-
-    def _follow(self) -> None:
-        """Off zenoh's thread: fronts for every instance (live figures everywhere), events to listeners."""
-        sampled = time.monotonic()
-        while not self._closed.is_set():
-            self._view_ready.wait(timeout=max(0.0, sampled + SAMPLE_S - time.monotonic()))
-            self._view_ready.clear()
-            self.run_deferred()
-            if time.monotonic() - sampled >= SAMPLE_S:
-                sampled = time.monotonic()
-                self.histories.sample_all(self.figures(), sampled)
-                self._broadcast("view", None)  # the sparklines move even when the cluster does not
-            try:
-                view = self._views.pop()
-            except IndexError:
-                continue
-            try:
-                self._take(view)
-            except Exception:
-                log.exception("api: following the view failed")
-
-    def _take(self, view: cm.ClusterView) -> None:
-        listed = {r.instance for r in view.instances}
-        now = time.monotonic()
-        for instance in self.client.fronts():
-            if instance in listed:
-                self._missing.pop(instance, None)
-            elif now - self._missing.setdefault(instance, now) > REMOVED_AFTER_S:
-                self._missing.pop(instance, None)
-                self.client.drop_front(instance, f"instance {instance} was removed")
-                self._steps.forget(instance)
-                self.metrics.forget_instance(instance)
-        for rec in view.instances:
-            if rec.phase != "failed" and rec.instance not in self.client.fronts():
-                try:
-                    self.client.front(rec.instance, max_queue=self.settings.max_pending)
-                except (ClusterError, EngineError):
-                    pass
-        new = []
-        for e in view.events:
-            key = (e.at, e.kind, e.node, e.instance)
-            if key not in self._events_seen:
-                self._events_seen.add(key)
-                new.append(e)
-                self.recent_events.append(e)
-                self.metrics.cluster_events.labels(e.kind).inc()
-        if len(self._events_seen) > 5000:  # keep the dedup set bounded: views carry only the newest few
-            self._events_seen = {(e.at, e.kind, e.node, e.instance) for e in view.events}
-        for e in new:
-            self._broadcast("cluster", e.model_dump(mode="json"))
-        self._broadcast("view", None)
-
-    def _broadcast(self, kind: str, data: Any) -> None:
-        with self._listeners_lock:
-            listeners = list(self._listeners)
-        for loop, q in listeners:
-            try:
-                loop.call_soon_threadsafe(_offer, q, (kind, data))
-            except RuntimeError:  # its loop closed
-                pass
-
-    def subscribe(self) -> asyncio.Queue[tuple[str, Any]]:
-        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=256)
-        with self._listeners_lock:
-            self._listeners.add((asyncio.get_running_loop(), q))
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue[tuple[str, Any]]) -> None:
-        with self._listeners_lock:
-            self._listeners = {(lp, x) for lp, x in self._listeners if x is not q}
-
-    def _on_status(self, sample: zenoh.Sample) -> None:
-        try:
-            msg, _ = decode(bytes(sample.payload.to_bytes()), m.STATUS)
-        except Exception:
-            return
-        if not isinstance(msg, m.Heartbeat) or msg.last_step is None:
-            return
-        parts = str(sample.key_expr).split("/")  # {ns}/i/{instance}/g{gen}/status/{stage}
-        if self._steps.advance(parts[2], msg.stage, msg.steps):
-            self.metrics.observe_step(parts[2], msg.stage, msg.last_step.seconds)
-
-
-def _offer(q: asyncio.Queue[tuple[str, Any]], item: tuple[str, Any]) -> None:
-    if q.full():  # a slow listener misses events rather than holding memory; it can re-read /state
-        try:
-            q.get_nowait()
-        except asyncio.QueueEmpty:
-            pass
-    q.put_nowait(item)
 
 
 def _cancel_submitted(done: asyncio.Future[RequestHandle]) -> None:

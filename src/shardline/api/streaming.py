@@ -11,8 +11,8 @@ from typing import Any, Generic, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from shardline.api.active import ActiveRequest, Outcome
 from shardline.api.errors import ApiError, Flavor, body
-from shardline.api.service import ActiveRequest, Outcome
 
 T = TypeVar("T")
 R = TypeVar("R", ActiveRequest, "RunGroup")

@@ -127,6 +127,14 @@ class Keys:
     def status_any(self) -> str:
         return f"{self.base}/*/status/*"
 
+    @staticmethod
+    def parse_status(key: str) -> tuple[Keys, int]:
+        """The keys (at their generation) and the stage of a key `status` made; ValueError for any other."""
+        *head, i, instance, gen, status, stage = key.split("/")
+        if i != "i" or status != "status" or not gen.startswith("g"):
+            raise ValueError(f"not a status key: {key!r}")
+        return Keys(instance, int(gen[1:]), "/".join(head)), int(stage)
+
     def runner(self, runner_id: str) -> str:
         return f"{self.base}/runner/{runner_id}"  # node agent -> one runner process, across generations
 

@@ -10,10 +10,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardline.api.active import ActiveRequest, Outcome
 from shardline.api.errors import bad_request, error_responses, unsupported
 from shardline.api.limits import check_tools
 from shardline.api.response_format import checked
-from shardline.api.service import ActiveRequest, Outcome, Service
+from shardline.api.service import Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, sse, stream_response, whole
 from shardline.api.tools.calls import (

@@ -99,7 +99,7 @@ def state_of(service: Service) -> State:
         f = fronts.get(rec.instance)
         live = None
         if f is not None:
-            history = service.histories.points(rec.instance)
+            history = service.events.histories.points(rec.instance)
             live = Live(
                 running=f.running(),
                 queued=f.waiting(),
@@ -124,7 +124,7 @@ def state_of(service: Service) -> State:
         seq=view.seq if view else 0,
         nodes=nodes,
         instances=instances,
-        events=list(service.recent_events)[-100:],
+        events=list(service.events.recent_events)[-100:],
         at=time.time(),
     )
 
@@ -229,7 +229,7 @@ def _known(service: Service, model: str) -> None:
 
 
 async def _feed(service: Service) -> AsyncIterator[bytes]:
-    q = service.subscribe()
+    q = service.events.subscribe()
     try:
         yield sse(state_of(service).model_dump(mode="json"), "state")
         last_state = time.monotonic()
@@ -250,4 +250,4 @@ async def _feed(service: Service) -> AsyncIterator[bytes]:
             elif kind == "tick" and not dirty:
                 yield b": keep-alive\n\n"
     finally:
-        service.unsubscribe(q)
+        service.events.unsubscribe(q)

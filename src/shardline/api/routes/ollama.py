@@ -15,10 +15,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import shardline
+from shardline.api.active import ActiveRequest, Outcome
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
 from shardline.api.limits import check_tools
 from shardline.api.response_format import checked
-from shardline.api.service import ActiveRequest, Outcome, Service
+from shardline.api.service import Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
 from shardline.api.tools.calls import CallEnd, CallStream, TextPiece, calls_in

@@ -10,10 +10,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardline.api.active import ActiveRequest, Outcome
 from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
 from shardline.api.limits import check_choices, check_tools
+from shardline.api.model_text import ModelText
 from shardline.api.response_format import check_bias_tokens, checked, constraint_of, logit_bias_of
-from shardline.api.service import ActiveRequest, ModelText, Outcome, Service
+from shardline.api.service import Service
 from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, RunGroup, merged, sse, stream_response, whole_all
 from shardline.api.tools.calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, calls_in

@@ -340,7 +340,7 @@ def test_a_finaliser_never_cancels_through_a_lock_its_thread_holds() -> None:
                 with slot:
                     pass
 
-            run = ActiveRequest(
+            active = ActiveRequest(
                 id="x",
                 model="m",
                 instance="i",
@@ -357,7 +357,7 @@ def test_a_finaliser_never_cancels_through_a_lock_its_thread_holds() -> None:
 
             def finalise_inside_locks() -> None:
                 with front._lock, slot:  # a collection may run a finaliser anywhere, these held
-                    run.__del__()
+                    active.__del__()
 
             t = threading.Thread(target=finalise_inside_locks, daemon=True)
             t.start()
@@ -418,7 +418,7 @@ def test_a_stream_past_its_deadline_ends_with_a_timeout_error_in_its_apis_shape(
     state.expired = True
     handle._finish(error="no token came for 181s after token 1, past its deadline")
     metrics = SimpleNamespace(requests=_Metric(), ttft=_Metric(), itl=_Metric(), tokens_out=_Metric())
-    run = ActiveRequest(
+    active = ActiveRequest(
         id="x",
         model="m",
         instance="i",
@@ -435,7 +435,7 @@ def test_a_stream_past_its_deadline_ends_with_a_timeout_error_in_its_apis_shape(
     async def read() -> tuple[list[str], ApiError]:
         texts = []
         try:
-            async for chunk in run.chunks():
+            async for chunk in active.chunks():
                 texts.append(chunk.text)
         except ApiError as exc:
             return texts, exc

@@ -1,4 +1,5 @@
-"""What the routes of every API share: answering a run whole or streamed, and noticing a client that left."""
+"""What the routes of every API share: answering an active request (api/active.py) whole or streamed, and
+noticing a client that left."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from shardline.api.active import ActiveRequest, Outcome
 from shardline.api.errors import ApiError, Flavor, body
 
 T = TypeVar("T")
-R = TypeVar("R", ActiveRequest, "RunGroup")
+R = TypeVar("R", ActiveRequest, "ActiveGroup")
 
 # How a route documents its streamed form in the OpenAPI spec: each server-sent event (event name, data
 # line), or each NDJSON line (an object).
@@ -56,27 +57,27 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def whole(request: Request, run: ActiveRequest) -> Outcome:
+async def whole(request: Request, active: ActiveRequest) -> Outcome:
     try:
-        return await unless_gone(request, run.complete())
+        return await unless_gone(request, active.complete())
     finally:
-        run.close()
+        active.close()
 
 
 @dataclass
-class RunGroup:
-    """The runs of one request's choices (OpenAI's n), answered and closed together."""
+class ActiveGroup:
+    """The active requests of one request's choices (OpenAI's n), answered and closed together."""
 
-    runs: list[ActiveRequest]
+    actives: list[ActiveRequest]
 
     def close(self) -> None:
-        for run in self.runs:
-            run.close()
+        for active in self.actives:
+            active.close()
 
 
-async def whole_all(request: Request, group: RunGroup) -> list[Outcome]:
+async def whole_all(request: Request, group: ActiveGroup) -> list[Outcome]:
     try:
-        return await unless_gone(request, asyncio.gather(*(run.complete() for run in group.runs)))
+        return await unless_gone(request, asyncio.gather(*(active.complete() for active in group.actives)))
     finally:
         group.close()
 
@@ -129,41 +130,42 @@ def ndjson(data: Any) -> bytes:
     return (json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
-class RunResponse(StreamingResponse):
-    """A streamed run that ends with its response, however the response ends.
+class ActiveResponse(StreamingResponse):
+    """A streamed active request that ends with its response, however the response ends.
 
     Starlette cancels the body's task when the client disconnects; before the first byte its generator
-    has not even started, so a `finally` inside it never runs. Closing the run here, after the whole
-    response (sent, failed or cancelled), frees its slot and cancels it in the pipeline in every case."""
+    has not even started, so a `finally` inside it never runs. Closing the active request here, after
+    the whole response (sent, failed or cancelled), frees its slot and cancels it in the pipeline in every
+    case."""
 
-    def __init__(self, run: ActiveRequest | RunGroup, content: AsyncIterator[bytes], **kw: Any) -> None:
+    def __init__(self, active: ActiveRequest | ActiveGroup, content: AsyncIterator[bytes], **kw: Any) -> None:
         super().__init__(content, **kw)
-        self.run = run
+        self.active = active
         self._content = content
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.run.close()
+            self.active.close()
             aclose = getattr(self._content, "aclose", None)
             if aclose is not None:
                 await aclose()  # runs the generator's own cleanup if it had started
 
 
 def stream_response(
-    run: R,
+    active: R,
     events: Callable[[R], AsyncIterator[bytes]],
     flavor: Flavor,
     media_type: str = "text/event-stream",
 ) -> StreamingResponse:
-    """Stream what `events` makes of the run. A client that disconnects, before or after the first byte,
-    ends the response, which cancels the request; an error after the first byte is sent in the API's
-    shape."""
+    """Stream what `events` makes of the active request (or group). A client that disconnects, before or
+    after the first byte, ends the response, which cancels the request; an error after the first byte is
+    sent in the API's shape."""
 
     async def body_stream() -> AsyncIterator[bytes]:
         try:
-            async for part in events(run):
+            async for part in events(active):
                 yield part
         except ApiError as exc:
             err = body(exc, flavor)
@@ -174,7 +176,7 @@ def stream_response(
             else:
                 yield sse(err)
         finally:
-            run.close()
+            active.close()
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return RunResponse(run, body_stream(), media_type=media_type, headers=headers)
+    return ActiveResponse(active, body_stream(), media_type=media_type, headers=headers)

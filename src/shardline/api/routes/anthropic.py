@@ -208,19 +208,19 @@ def router(service: Service) -> APIRouter:
             top_k=req.top_k or 0,
             constraint=constraint,
         )
-        run = await service.start(
+        active = await service.start(
             "messages", req.model, lambda t: t.chat(chat, tools), req.max_tokens, sampling, stops
         )
         if req.stream:
-            return stream_response(run, lambda r: _events(r, plan if calling else None), "anthropic")
-        o = await whole(request, run)
+            return stream_response(active, lambda r: _events(r, plan if calling else None), "anthropic")
+        o = await whole(request, active)
         calls = calls_in(o.text, plan)
         content: list[OutTextBlock | OutToolUse] = [OutTextBlock(text=o.text)]
         if calls is not None:
             content = [OutToolUse(id=call_id("toolu_"), name=c.name, input=c.arguments) for c in calls]
         return MessageResponse(
-            id=f"msg_{run.id}",
-            model=run.model,
+            id=f"msg_{active.id}",
+            model=active.model,
             content=content,
             stop_reason=_stop_reason(o, calls is not None),  # type: ignore[arg-type]
             stop_sequence=o.stop_sequence,
@@ -231,19 +231,19 @@ def router(service: Service) -> APIRouter:
     return r
 
 
-async def _events(run: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[bytes]:
+async def _events(active: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[bytes]:
     """Anthropic's event stream; under tools a text block opens at the first text, a `tool_use` block at
     each call's start, its input streamed as `input_json_delta`s."""
     start = {
-        "id": f"msg_{run.id}",
+        "id": f"msg_{active.id}",
         "type": "message",
         "role": "assistant",
-        "model": run.model,
+        "model": active.model,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
         # What is cached is known only at the end: message_delta's usage (cumulative) corrects this.
-        "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0},
+        "usage": {"input_tokens": active.prompt_tokens, "output_tokens": 0},
     }
     yield sse({"type": "message_start", "message": start}, "message_start")
     stream = CallStream(may_be_text=plan is None or plan.mode == "auto")
@@ -284,13 +284,13 @@ async def _events(run: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[by
 
     if plan is None:
         yield opened({"type": "text", "text": ""})
-    async for c in run.chunks():
+    async for c in active.chunks():
         if c.text:
             for part in parts(stream.feed(c.text) if plan is not None else [TextPiece(c.text)]):
                 yield part
     for part in parts(stream.end()):
         yield part
-    o = run.outcome
+    o = active.outcome
     assert o is not None
     if blocks == 0:  # nothing said: an empty text block, as a whole answer has
         yield opened({"type": "text", "text": ""})

@@ -234,12 +234,12 @@ def _calls_out(text: str, plan: ToolPlan | None) -> list[dict[str, Any]] | None:
     )
 
 
-def _final(run: ActiveRequest, o: Outcome) -> dict[str, Any]:
+def _final(active: ActiveRequest, o: Outcome) -> dict[str, Any]:
     t = o.timings
     ns = 1_000_000_000
     prefill = t.ttft_s or 0.0
     return {
-        "model": run.model,
+        "model": active.model,
         "created_at": _now(),
         "done": True,
         "done_reason": "length" if o.finish_reason == "length" else "stop",
@@ -268,15 +268,15 @@ def router(service: Service) -> APIRouter:
         sampling = sampling.model_copy(update={"constraint": constraint})
         messages = _messages(req.messages)
         model = model_name(service, req.model)
-        run = await service.start(
+        active = await service.start(
             "ollama_chat", model, lambda t: t.chat(messages, tools), limit, sampling, stops
         )
         if req.stream is not False:
-            return stream_response(run, lambda r: _chat_lines(r, plan), "ollama", "application/x-ndjson")
-        o = await whole(request, run)
+            return stream_response(active, lambda r: _chat_lines(r, plan), "ollama", "application/x-ndjson")
+        o = await whole(request, active)
         calls = _calls_out(o.text, plan)
         message = {"role": "assistant", "content": o.text if calls is None else ""}
-        return {**_final(run, o), "message": {**message, **({"tool_calls": calls} if calls else {})}}
+        return {**_final(active, o), "message": {**message, **({"tool_calls": calls} if calls else {})}}
 
     @r.post("/api/generate", response_model=GenerateResponse, responses={**ERRORS, 200: STREAMED_NDJSON})
     async def generate(req: GenerateRequest, request: Request) -> Any:
@@ -303,11 +303,11 @@ def router(service: Service) -> APIRouter:
                 {"role": "user", "content": req.prompt}
             ]
             prompt_ids = lambda t: t.chat(chat)  # noqa: E731
-        run = await service.start("ollama_generate", model, prompt_ids, limit, sampling, stops)
+        active = await service.start("ollama_generate", model, prompt_ids, limit, sampling, stops)
         if req.stream is not False:
-            return stream_response(run, _generate_lines, "ollama", "application/x-ndjson")
-        o = await whole(request, run)
-        return {**_final(run, o), "response": o.text}
+            return stream_response(active, _generate_lines, "ollama", "application/x-ndjson")
+        o = await whole(request, active)
+        return {**_final(active, o), "response": o.text}
 
     @r.get("/api/tags", response_model=Tags, responses=error_responses("ollama", 401, 403))
     async def tags() -> Tags:
@@ -362,7 +362,7 @@ def router(service: Service) -> APIRouter:
     return r
 
 
-async def _chat_lines(run: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[bytes]:
+async def _chat_lines(active: ActiveRequest, plan: ToolPlan | None) -> AsyncIterator[bytes]:
     """Text as it comes; a call (as Ollama streams them) in one line once it is whole."""
     stream = CallStream()
 
@@ -376,22 +376,23 @@ async def _chat_lines(run: ActiveRequest, plan: ToolPlan | None) -> AsyncIterato
                 call = {"function": {"name": e.name, "arguments": json.loads(e.arguments or "{}")}}
                 msg = {"role": "assistant", "content": "", "tool_calls": [call]}
             if msg is not None:
-                out.append(ndjson({"model": run.model, "created_at": _now(), "message": msg, "done": False}))
+                line = {"model": active.model, "created_at": _now(), "message": msg, "done": False}
+                out.append(ndjson(line))
         return out
 
-    async for c in run.chunks():
+    async for c in active.chunks():
         if c.text:
             for line in lines(stream.feed(c.text) if plan is not None else [TextPiece(c.text)]):
                 yield line
     for line in lines(stream.end()):
         yield line
-    assert run.outcome is not None
-    yield ndjson({**_final(run, run.outcome), "message": {"role": "assistant", "content": ""}})
+    assert active.outcome is not None
+    yield ndjson({**_final(active, active.outcome), "message": {"role": "assistant", "content": ""}})
 
 
-async def _generate_lines(run: ActiveRequest) -> AsyncIterator[bytes]:
-    async for c in run.chunks():
+async def _generate_lines(active: ActiveRequest) -> AsyncIterator[bytes]:
+    async for c in active.chunks():
         if c.text:
-            yield ndjson({"model": run.model, "created_at": _now(), "response": c.text, "done": False})
-    assert run.outcome is not None
-    yield ndjson({**_final(run, run.outcome), "response": ""})
+            yield ndjson({"model": active.model, "created_at": _now(), "response": c.text, "done": False})
+    assert active.outcome is not None
+    yield ndjson({**_final(active, active.outcome), "response": ""})

@@ -17,7 +17,7 @@ from shardline.api.model_text import ModelText
 from shardline.api.response_format import check_bias_tokens, checked, constraint_of, logit_bias_of
 from shardline.api.service import Service
 from shardline.api.stops import checked_stops
-from shardline.api.streaming import STREAMED_SSE, RunGroup, merged, sse, stream_response, whole_all
+from shardline.api.streaming import STREAMED_SSE, ActiveGroup, merged, sse, stream_response, whole_all
 from shardline.api.tools.calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, calls_in
 from shardline.api.tools.prompt import ToolPlan, history_call, openai_plan, openai_tools, plan_constraint
 from shardline.compute.sampling import SamplingParams
@@ -173,7 +173,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-# ---- request -> run ----------------------------------------------------------------------------------------
+# ---- request -> active requests ----------------------------------------------------------------------------
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -237,10 +237,10 @@ async def start_choices(
             made.extend(prompt(text))
         return made
 
-    runs: list[ActiveRequest] = []
+    actives: list[ActiveRequest] = []
     try:
         for i in range(n):
-            runs.append(
+            actives.append(
                 await service.start(
                     endpoint,
                     req.model,
@@ -252,10 +252,10 @@ async def start_choices(
                 )
             )
     except BaseException:
-        for run in runs:
-            run.close()
+        for active in actives:
+            active.close()
         raise
-    return runs
+    return actives
 
 
 def message_text(content: str | list[TextPart] | None) -> str:
@@ -410,7 +410,7 @@ def router(service: Service) -> APIRouter:
         messages = chat_messages(req.messages)
         tools = plan.tools if calling and plan is not None else ()
         max_tokens = req.max_completion_tokens or req.max_tokens
-        runs = await start_choices(
+        actives = await start_choices(
             service,
             "chat",
             req,
@@ -420,18 +420,18 @@ def router(service: Service) -> APIRouter:
             stops,
             "tools" if calling else "response_format",
         )
-        group = RunGroup(runs)
-        text = runs[0].text
+        group = ActiveGroup(actives)
+        text = actives[0].text
         want_lp = bool(req.logprobs)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream_response(
-                group, lambda g: _chat_events(g.runs, text, want_lp, usage, plan), "openai"
+                group, lambda g: _chat_events(g.actives, text, want_lp, usage, plan), "openai"
             )
         outcomes = await whole_all(request, group)
         choices = []
-        for i, (run, outcome) in enumerate(zip(runs, outcomes, strict=True)):
-            logprobs = {"content": [_token_logprob(t, text) for t in run.used]} if want_lp else None
+        for i, (active, outcome) in enumerate(zip(actives, outcomes, strict=True)):
+            logprobs = {"content": [_token_logprob(t, text) for t in active.used]} if want_lp else None
             message, finish = _message(outcome, plan)
             choices.append(
                 ChatChoice(
@@ -442,9 +442,9 @@ def router(service: Service) -> APIRouter:
                 )
             )
         return ChatCompletion(
-            id=f"chatcmpl-{runs[0].id}",
-            created=runs[0].created,
-            model=runs[0].model,
+            id=f"chatcmpl-{actives[0].id}",
+            created=actives[0].created,
+            model=actives[0].model,
             choices=choices,
             usage=Usage(**_usage(outcomes)),
             timings=Timings(**_timings(outcomes)),  # type: ignore[arg-type]
@@ -461,7 +461,7 @@ def router(service: Service) -> APIRouter:
         prompt = _completion_prompt(req)
         sampling = sampling_of(req, req.logprobs or 0)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
-        runs = await start_choices(
+        actives = await start_choices(
             service,
             "completions",
             req,
@@ -470,27 +470,27 @@ def router(service: Service) -> APIRouter:
             sampling,
             _stops(req.stop),
         )
-        group = RunGroup(runs)
-        text = runs[0].text
+        group = ActiveGroup(actives)
+        text = actives[0].text
         want_lp = req.logprobs is not None
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream_response(
-                group, lambda g: _completion_events(g.runs, text, want_lp, usage), "openai"
+                group, lambda g: _completion_events(g.actives, text, want_lp, usage), "openai"
             )
         outcomes = await whole_all(request, group)
         return Completion(
-            id=f"cmpl-{runs[0].id}",
-            created=runs[0].created,
-            model=runs[0].model,
+            id=f"cmpl-{actives[0].id}",
+            created=actives[0].created,
+            model=actives[0].model,
             choices=[
                 CompletionChoice(
                     index=i,
                     text=outcome.text,
-                    logprobs=_completion_logprobs(run.used, text) if want_lp else None,
+                    logprobs=_completion_logprobs(active.used, text) if want_lp else None,
                     finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
                 )
-                for i, (run, outcome) in enumerate(zip(runs, outcomes, strict=True))
+                for i, (active, outcome) in enumerate(zip(actives, outcomes, strict=True))
             ],
             usage=Usage(**_usage(outcomes)),
             timings=Timings(**_timings(outcomes)),  # type: ignore[arg-type]
@@ -500,11 +500,11 @@ def router(service: Service) -> APIRouter:
 
 
 async def _chat_events(
-    runs: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool, plan: ToolPlan | None
+    actives: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool, plan: ToolPlan | None
 ) -> AsyncIterator[bytes]:
     """Every choice's chunks as they come, each carrying its choice's index; calls as `tool_calls` deltas
     (the first of a call with its id, type and name, then pieces of its arguments)."""
-    first = runs[0]
+    first = actives[0]
     base = {
         "id": f"chatcmpl-{first.id}",
         "object": "chat.completion.chunk",
@@ -517,7 +517,7 @@ async def _chat_events(
         return sse({**base, "choices": [choice]})
 
     calling = plan is not None and plan.calling
-    streams = [CallStream(may_be_text=plan is None or plan.mode == "auto") for _ in runs]
+    streams = [CallStream(may_be_text=plan is None or plan.mode == "auto") for _ in actives]
 
     def deltas(i: int, events: list[Event]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -532,11 +532,11 @@ async def _chat_events(
                 out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
         return out
 
-    for i in range(len(runs)):
+    for i in range(len(actives)):
         yield chunk(i, {"role": "assistant", "content": ""})
-    async for i, c in merged([run.chunks() for run in runs]):
+    async for i, c in merged([active.chunks() for active in actives]):
         if c is None:
-            outcome = runs[i].outcome
+            outcome = actives[i].outcome
             assert outcome is not None
             for d in deltas(i, streams[i].end()):
                 yield chunk(i, d)
@@ -552,15 +552,15 @@ async def _chat_events(
         for k, d in enumerate(out):
             yield chunk(i, d, lp=lp if k == 0 else None)
     if usage:
-        outcomes = [run.outcome for run in runs if run.outcome is not None]
+        outcomes = [active.outcome for active in actives if active.outcome is not None]
         yield sse({**base, "choices": [], "usage": _usage(outcomes), "timings": _timings(outcomes)})
     yield sse("[DONE]")
 
 
 async def _completion_events(
-    runs: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool
+    actives: list[ActiveRequest], text: ModelText, logprobs: bool, usage: bool
 ) -> AsyncIterator[bytes]:
-    first = runs[0]
+    first = actives[0]
     base = {
         "id": f"cmpl-{first.id}",
         "object": "text_completion",
@@ -572,9 +572,9 @@ async def _completion_events(
         part = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         return sse({**base, "choices": [part]})
 
-    async for i, c in merged([run.chunks() for run in runs]):
+    async for i, c in merged([active.chunks() for active in actives]):
         if c is None:
-            outcome = runs[i].outcome
+            outcome = actives[i].outcome
             assert outcome is not None
             yield choice(i, "", None, outcome.finish_reason)
             continue
@@ -582,6 +582,6 @@ async def _completion_events(
         if c.text or lp:
             yield choice(i, c.text, lp, None)
     if usage:
-        outcomes = [run.outcome for run in runs if run.outcome is not None]
+        outcomes = [active.outcome for active in actives if active.outcome is not None]
         yield sse({**base, "choices": [], "usage": _usage(outcomes), "timings": _timings(outcomes)})
     yield sse("[DONE]")

@@ -2,7 +2,7 @@
 source, for tests of the fetcher's checks. Nothing else differs (its files, its manifest and the digest it
 reports are honest), so only the check of every byte against the expected digest can catch it.
 
-    python -m shardline.testing.tampering_node MODEL <shardline arguments: -v node ...>
+    python tests/tampering_node.py MODEL <shardline arguments: -v node ...>
 
 Test-only by construction: the fault is a Python argument (`Node(..., weight_tamper=...)`); no flag,
 environment variable or message of the shipped command line reaches it.

@@ -23,6 +23,8 @@ from shardline.testing.cluster import LocalCluster
 from shardline.testing.reference import Reference
 from shardline.trust.credentials import Credentials
 
+# A `shardline node` whose weight server alters what it sends (a lying source; test-only).
+TAMPERING_NODE = Path(__file__).resolve().parent / "tampering_node.py"
 SMALL = PlacementRequest(sequences=2, reserve_tokens=512, hop_cost_fraction=0.0)
 
 
@@ -257,7 +259,7 @@ def test_a_source_serving_altered_bytes_is_refused_named_and_the_stage_loads_fro
     no_room = ["--memory-limit", "1K"]
     cluster = make_cluster(
         ["v1", "v2"],
-        launchers={"v1": ["-m", "shardline.testing.tampering_node", "tiny-llama"]},
+        launchers={"v1": [str(TAMPERING_NODE), "tiny-llama"]},
         node_extra={"v1": no_room, "v2": no_room},
     )
     cluster.add("v3", models_dir=empty)

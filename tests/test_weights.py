@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 import zenoh
+from tampering_node import flip_first_byte
 
 from shardline.cluster.weights.fetch import FetchStats, fetch_shard
 from shardline.cluster.weights.protocol import ChunkRequest, ErrorReply
@@ -48,7 +49,6 @@ from shardline.models.store.manifest import (
     tensors_for,
 )
 from shardline.models.store.verify import verify_shard
-from shardline.testing.tampering_node import flip_first_byte
 from shardline.testing.tiny import make_tiny_model
 
 NS = "test-weights"

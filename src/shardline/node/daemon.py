@@ -107,7 +107,7 @@ def concrete_endpoint(endpoint: str) -> str:
 
 class Node:
     def __init__(self, config: NodeConfig, *, weight_tamper: Tamper | None = None) -> None:
-        """weight_tamper: a test-only fault of the weight server (shardline.testing.tampering_node)."""
+        """weight_tamper: a test-only fault of the weight server (tests/tampering_node.py)."""
         self.config = config
         self._weight_tamper = weight_tamper
         self.keys = ClusterKeys(config.namespace)

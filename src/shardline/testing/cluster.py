@@ -152,7 +152,7 @@ class LocalCluster:
     models_dir: Path
     extra: list[str] = field(default_factory=list)
     node_extra: dict[str, list[str]] = field(default_factory=dict)  # flags of one node only
-    # node id -> what runs it instead of `-m shardline` (a test-only launcher: testing/tampering_node.py)
+    # node id -> what runs it instead of `-m shardline` (a test-only launcher: tests/tampering_node.py)
     launchers: dict[str, list[str]] = field(default_factory=dict)
     runners: dict = field(default_factory=lambda: dict(FAST_RUNNERS))
     namespace: str = "shardline"

@@ -21,7 +21,7 @@ from shardline.models.store.manifest import Manifest, model_manifest, record_pat
 log = logging.getLogger("shardline.weights")
 
 # (model, kind, name, offset, bytes read) -> bytes sent: a test-only fault on the serving side. Only Python
-# code can set it (shardline.testing.tampering_node); no flag, variable or message of a shipped node does.
+# code can set it (tests/tampering_node.py); no flag, variable or message of a shipped node does.
 Tamper = Callable[[str, str, str, int, bytes], bytes]
 
 

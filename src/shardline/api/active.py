@@ -27,7 +27,7 @@ class Chunk:
 
 
 @dataclass
-class Timings:
+class RequestTimings:
     ttft_s: float | None = None
     prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
@@ -44,7 +44,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     text: str
-    timings: Timings
+    timings: RequestTimings
     cached_tokens: int = 0  # of prompt_tokens, those the leader's prefix cache held (its Finished)
 
 
@@ -156,7 +156,7 @@ class ActiveRequest:
 
     def _finish(self, reason: str) -> None:
         now = time.monotonic()
-        t = Timings(total_s=now - self.started)
+        t = RequestTimings(total_s=now - self.started)
         if self._first is not None:
             t.ttft_s = self._first - self.started
             t.prefill_tokens_per_s = self.prompt_tokens / max(t.ttft_s, 1e-9)

@@ -8,6 +8,10 @@ as a fault of that generation (which rebuilds it); never a silently short answer
 lost when no master listens at that moment (a master change, a link just back): a fault still seen is
 reported again every REPORT_AGAIN_S until a new generation serves. What controllers announce is ordered by
 (master term, generation): a deposed master's last words never outrank the next master's.
+
+Over 500 lines: one class whose request table, generation and control link one lock guards together; its
+handlers of updates, events and beats read and change them under that lock, and split apart they would
+have to share it across modules.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class Common(BaseModel):
     keep_alive: str | float | None = None
 
 
-class ChatRequest(Common):
+class OllamaChatRequest(Common):
     messages: list[OllamaMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
 
@@ -256,7 +256,7 @@ def router(service: Service) -> APIRouter:
     r = APIRouter(tags=["Ollama"])
 
     @r.post("/api/chat", response_model=ChatResponse, responses={**ERRORS, 200: STREAMED_NDJSON})
-    async def chat(req: ChatRequest, request: Request) -> Any:
+    async def chat(req: OllamaChatRequest, request: Request) -> Any:
         if any(m.images for m in req.messages):
             raise unsupported("images", "images")
         sampling, limit, stops = _sampling(req.options)

@@ -65,12 +65,12 @@ def stand_in_leader(
         max_batch=4,
         generation=1,
     )
-    worker = SimpleNamespace(
+    stage = SimpleNamespace(
         kv_bytes_per_token=TOKEN_BYTES, release=lambda rid: None, evict=lambda blocks: None, steps=0
     )
     runner = SimpleNamespace(
         spec=spec,
-        worker=worker,
+        mirrored=stage,
         speed=SimpleNamespace(attn_keys=0),
         events=Events(),
         inbox=SimpleNamespace(drop=lambda why: None, get_nowait=lambda: None),

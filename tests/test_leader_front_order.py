@@ -34,7 +34,7 @@ def stub_leader() -> tuple[Leader, Events]:
     spec = stub_leader_spec(prefix_cache=True)
     runner = SimpleNamespace(
         spec=spec,
-        worker=SimpleNamespace(kv_bytes_per_token=8),
+        mirrored=SimpleNamespace(kv_bytes_per_token=8),
         speed=SimpleNamespace(attn_keys=0),
         events=events,
         inbox=SimpleNamespace(drop=lambda why: None),
@@ -139,7 +139,7 @@ def test_no_beat_reads_a_waiting_request_being_admitted_as_lost() -> None:
             sys.settrace(tracer)
         return tracer
 
-    leader.r.worker.release = lambda rid: None
+    leader.stage.release = lambda rid: None
     sys.settrace(tracer)
     try:
         leader.release("r1")

@@ -76,7 +76,9 @@ def stub_leader(ring: Ring, max_batch: int) -> Leader:
     )
     runner = SimpleNamespace(
         spec=spec,
-        worker=SimpleNamespace(kv_bytes_per_token=8, steps=0, release=lambda rid: None, evict=lambda b: None),
+        mirrored=SimpleNamespace(
+            kv_bytes_per_token=8, steps=0, release=lambda rid: None, evict=lambda b: None
+        ),
         speed=SimpleNamespace(attn_keys=0),
         events=ring,
         inbox=SimpleNamespace(drop=lambda why: None, get_nowait=lambda: None),

@@ -26,7 +26,7 @@ from shardline.runner.faults import Faults
 from shardline.runner.prefix import PrefixLedger
 from shardline.runner.row_costs import RowCosts
 from shardline.runner.signals import RejoinRequested, StopRunner
-from shardline.runner.stage import WARMUP_ID, ProtocolError, StageWorker
+from shardline.runner.stage import WARMUP_ID, ProtocolError, Stage
 
 TOKEN_FIELDS = {"token", "logprob", "top_logprobs"}
 log = logging.getLogger("shardline.leader")
@@ -54,7 +54,7 @@ class StageHost(Protocol):
     """What the leader uses of its stage's runner process (runner/process.py), without importing it."""
 
     spec: RunnerSpec
-    worker: StageWorker | None
+    mirrored: Stage | None  # its stage, or on a tensor-parallel face the mirror that tells the members
     inbox: Inbox
     downstream: Outbox | None
     events: Outbox | None
@@ -72,8 +72,8 @@ class Leader:
     def __init__(self, runner: StageHost) -> None:
         self.r = runner
         self.spec = runner.spec
-        assert runner.worker is not None
-        self.worker = runner.worker
+        assert runner.mirrored is not None
+        self.stage = runner.mirrored
         self.requests: dict[str, schedule.LeaderRequest] = {}  # admitted
         self.waiting: deque[m.RequestSpec] = deque()  # KV does not fit yet: strict FIFO
         # KV is reserved as it is used: each running request's reservation covers this many positions, and
@@ -96,7 +96,7 @@ class Leader:
         self.batch_rates = BatchRates()
         own_layers = self.spec.layer_end - self.spec.layer_start
         # Its own share of its heads' KV, for the whole model: every stage's groups split the heads alike.
-        per_layer = self.worker.kv_bytes_per_token * self.spec.group // own_layers
+        per_layer = self.stage.kv_bytes_per_token * self.spec.group // own_layers
         self.kv_bytes_per_token = per_layer * self.spec.layer_total
         # KV reservations and the prefix cache, in blocks of one prefill chunk (the stages' KV blocks).
         block = self.spec.prefill_step
@@ -156,7 +156,7 @@ class Leader:
                 if isinstance(msg, m.Rejoin):
                     raise RejoinRequested(msg.spec)
                 self.r.inbox.drop(f"{msg.kind} during ring warm-up")
-        self.worker.release(WARMUP_ID)
+        self.stage.release(WARMUP_ID)
         if self.r.downstream is not None:
             self.r.downstream.send(m.Release(request_id=WARMUP_ID))
 
@@ -458,10 +458,10 @@ class Leader:
     def _finish_head(self, res: m.StepResult, step: m.Step | None, packed: Any) -> tuple[m.StepResult, Any]:
         """The last stage computed its part of a split head: complete the logits and sample here. The time
         counts as the first stage's, whose core it runs on."""
-        if packed is None or step is None or not self.worker.shard.head_split:
+        if packed is None or step is None or not self.stage.shard.head_split:
             raise ProtocolError(f"result of step {res.seq} leaves a head to finish that this stage lacks")
         started = time.monotonic()
-        done, logits = self.worker.finish_head(step, packed)
+        done, logits = self.stage.finish_head(step, packed)
         trace = list(res.trace)
         if trace:
             trace[0] += time.monotonic() - started
@@ -477,7 +477,7 @@ class Leader:
         self.sampled += 1
         if (t0 := self.submitted_at.pop(res.request_id, None)) is not None:
             self.ttfts.append(time.monotonic() - t0)
-        if reason != "stop" and not self.r.faults.take_drop("drop_token", "decode", self.worker.steps):
+        if reason != "stop" and not self.r.faults.take_drop("drop_token", "decode", self.stage.steps):
             self.emit(
                 m.TokenEvent(
                     request_id=res.request_id,
@@ -507,7 +507,7 @@ class Leader:
             self.held.pop(request_id, None)
             self.submitted_at.pop(request_id, None)
             self.front_of.pop(request_id, None)
-        self.worker.release(request_id)
+        self.stage.release(request_id)
         if self.r.downstream is not None:
             self.r.downstream.send(m.Release(request_id=request_id))
         self.evict(self.ledger.release(request_id))
@@ -571,7 +571,7 @@ class Leader:
         """Cached blocks the ledger dropped: every stage drops them, in ring order (before any later step)."""
         if not blocks:
             return
-        self.worker.evict(blocks)
+        self.stage.evict(blocks)
         if self.r.downstream is not None:
             self.r.downstream.send(m.Evict(blocks=blocks))
 

@@ -38,7 +38,8 @@ from shardline.instance.spec import RunnerSpec
 from shardline.runner.faults import Faults
 from shardline.runner.leader import Leader
 from shardline.runner.signals import RejoinRequested, StopRunner
-from shardline.runner.stage import ProtocolError, StageWorker
+from shardline.runner.stage import ProtocolError, Stage, StageCompute
+from shardline.runner.tp_mirror import TensorParallelMirror
 from shardline.trust.credentials import Credentials
 
 EXIT_FAILED = 3
@@ -61,7 +62,9 @@ class RunnerProcess:
         self.faults = Faults(spec.fault)
         self.policy = spec.policy
         self.speed = Speed()
-        self.worker: StageWorker | None = None
+        self.stage: StageCompute | None = None
+        # What the ring's messages act on: the stage, or on a tensor-parallel face its mirror.
+        self.mirrored: Stage | None = None
         self.downstream: Outbox | None = None
         self.events: Outbox | None = None
         self.leader: Any = None
@@ -114,16 +117,16 @@ class RunnerProcess:
         # Attention scratch per head: one chunk attending to TILE_KEYS keys, at any context length.
         budget = spec.score_budget or attention.score_budget(spec.prefill_step)
         shard = load_shard(Path(spec.model_dir), layers, budget, spec.member, spec.group)
-        self.worker = StageWorker(shard, Path(spec.model_dir), block=spec.prefill_step)
-        if self.worker.matchers is not None:
-            self.worker.matchers.grace = self.grace
-            self.worker.matchers.on_build = lambda: self.faults.at_tokenizer_build()
+        self.stage = self.mirrored = StageCompute(shard, Path(spec.model_dir), block=spec.prefill_step)
+        if self.stage.matchers is not None:
+            self.stage.matchers.grace = self.grace
+            self.stage.matchers.on_build = lambda: self.faults.at_tokenizer_build()
         self.weight_bytes = shard.weight_bytes()
         self.speed.attn_keys = 6 * shard.hidden_size
         if spec.group > 1:
             self._join_group(shard)
         self.faults.maybe_fire("warmup", 0)
-        warmup = self.worker.warm_up(
+        warmup = self.stage.warm_up(
             min(spec.prefill_step, WARMUP_CHUNK_MAX), lambda: self.faults.slow_s("warmup", 0)
         )
         if self.group is not None:
@@ -153,8 +156,8 @@ class RunnerProcess:
                 creds.tls_dir,
             )
             face.admit(spec.load_timeout, abort=self._abort_wait)
-            assert self.worker is not None
-            self.worker.mirror = lambda msg, x=None: face.forward(msg, x, face.deadline_s)
+            assert self.stage is not None
+            self.mirrored = TensorParallelMirror(self.stage, face, self.policy.floor)
             self.group: GroupFace | GroupMember | None = face
         else:
             self.group = GroupMember(
@@ -181,7 +184,7 @@ class RunnerProcess:
 
     def rejoin(self, spec: RunnerSpec) -> None:
         """Serve a newer generation with the weights already loaded: new keys, no KV, a fresh warm-up."""
-        assert self.worker is not None
+        assert self.stage is not None
         self.phase, self.leader = "loading", None
         for outbox in (self.downstream, self.events):
             if outbox is not None:
@@ -191,7 +194,7 @@ class RunnerProcess:
         old_status = self.status
         self.spec, self.keys = spec, Keys(spec.instance, spec.generation, spec.namespace)
         self.faults = Faults(spec.fault)
-        self.worker.clear()  # the old generation's requests are resubmitted by their fronts
+        self.stage.clear()  # the old generation's requests are resubmitted by their fronts
         self.inbox = self._inbox(spec)
         self.status = Outbox(self.session, self.keys.status(spec.slot), spec.generation)
         old_status.close()
@@ -202,7 +205,7 @@ class RunnerProcess:
     def _link(self, warmup: list[m.StepTime]) -> None:
         """Links to the next stage (and, on the leader, to the fronts), the ring warmed, then Ready."""
         spec = self.spec
-        assert self.worker is not None
+        assert self.stage is not None
         if spec.stages > 1 and spec.is_face:
             self.downstream = Outbox(
                 self.session, self.keys.ring(spec.next_stage), spec.generation, on_lost=self._peer_lost
@@ -220,7 +223,7 @@ class RunnerProcess:
                 pid=os.getpid(),
                 weight_bytes=self.weight_bytes,
                 layers=(spec.layer_start, spec.layer_end),
-                kv_bytes_per_token=self.worker.kv_bytes_per_token,
+                kv_bytes_per_token=self.stage.kv_bytes_per_token,
                 warmup=warmup,
             )
         )
@@ -234,7 +237,7 @@ class RunnerProcess:
             pass
 
     def _beat(self) -> m.Heartbeat:
-        w = self.worker
+        w = self.stage
         busy = self.busy
         kv = w.kv_figures() if w else (0, 0)
         return m.Heartbeat(
@@ -312,8 +315,8 @@ class RunnerProcess:
 
     def stop_group(self) -> None:
         """The ring stops: so do this face's members (the same message, in order)."""
-        if isinstance(self.group, GroupFace):
-            self.group.forward(m.Stop(), None, self.policy.floor)
+        assert self.mirrored is not None
+        self.mirrored.stop()
 
     def die(self, reason: str, message: str) -> None:
         print(
@@ -328,7 +331,7 @@ class RunnerProcess:
 
     def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]:
         """Run one step through this stage; the outgoing message carries this stage's time in its trace."""
-        assert self.worker is not None
+        assert self.stage is not None
         context = step.keys
         started = time.monotonic()
         self.busy = (started, step.n, context, step.reserve)
@@ -336,11 +339,12 @@ class RunnerProcess:
         if self.group is not None:  # the step's sums wait at most its deadline
             self.group.begin(step.seq, self.policy.step(self.speed, step.n, context, step.reserve))
         try:
-            self.faults.maybe_fire(phase, self.worker.steps)
-            out, tensor = self.worker.run(step, x)
+            self.faults.maybe_fire(phase, self.stage.steps)
+            assert self.mirrored is not None
+            out, tensor = self.mirrored.run(step, x)
             if self.group is not None:  # its sums failed: the step's output is not the stage's
                 self.group.check()
-            time.sleep(self.faults.slow_s(phase, self.worker.steps))
+            time.sleep(self.faults.slow_s(phase, self.stage.steps))
         finally:
             self.busy = None
             self.grace_s = 0.0
@@ -352,7 +356,7 @@ class RunnerProcess:
     # ---- follower ----------------------------------------------------------------------------------------
 
     def serve_follower(self) -> None:
-        assert self.worker is not None and self.downstream is not None
+        assert self.stage is not None and self.mirrored is not None and self.downstream is not None
         while True:
             env = self.inbox.get(timeout=None)  # idle wait: a follower only reacts
             msg = env.message
@@ -361,19 +365,19 @@ class RunnerProcess:
                     x = env.tensor
                     if x is None:
                         raise ProtocolError("step without hidden states")
-                    self.worker.check(msg, x)
+                    self.mirrored.check(msg, x)
                 except (ProtocolError, FrameError, ValueError) as exc:
                     self.inbox.drop(str(exc))
                     continue
                 out, tensor = self.compute(msg, x)
-                if self.faults.take_drop("drop_message", step_phase(msg), self.worker.steps):
+                if self.faults.take_drop("drop_message", step_phase(msg), self.stage.steps):
                     continue
                 self.downstream.send(out, tensor)
             elif isinstance(msg, m.Release | m.Evict):
                 if isinstance(msg, m.Release):
-                    self.worker.release(msg.request_id)
+                    self.mirrored.release(msg.request_id)
                 else:
-                    self.worker.evict(msg.blocks)
+                    self.mirrored.evict(msg.blocks)
                 if not self.spec.is_last:
                     self.downstream.send(msg)
             elif isinstance(msg, m.Stop):
@@ -389,7 +393,7 @@ class RunnerProcess:
     def serve_member(self, group: GroupMember) -> None:
         """A group member: what its face obeys, in the face's order. The face checked each step against the
         same state: a step that does not fit here means the two diverged, which nothing can mend."""
-        assert self.worker is not None
+        assert self.stage is not None
         while True:
             msg, payload = group.next_message()
             if isinstance(msg, m.Step):
@@ -397,9 +401,9 @@ class RunnerProcess:
                     raise ProtocolError("step without its input")
                 self.compute(msg, to_mlx(payload, msg.tensor.dtype))
             elif isinstance(msg, m.Release):
-                self.worker.release(msg.request_id)
+                self.stage.release(msg.request_id)
             elif isinstance(msg, m.Evict):
-                self.worker.evict(msg.blocks)
+                self.stage.evict(msg.blocks)
             elif isinstance(msg, m.Stop):
                 raise StopRunner
             else:

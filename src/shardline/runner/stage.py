@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -14,7 +15,7 @@ from shardline.compute.constraints import Constraint, Matchers
 from shardline.compute.sampling import SamplingParams, sample, sample_many
 from shardline.compute.shard import Shard
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.messages import Evict, Prime, Release, RowResult, Step, StepResult, StepTime
+from shardline.dataplane.messages import Prime, RowResult, Step, StepResult, StepTime
 
 WARMUP_ID = "\x00warmup"  # the ring warm-up's request: no front sends control characters
 
@@ -125,7 +126,29 @@ def finish(
     return StepResult(seq=step.seq, request_id=step.request_id, rows=results, tensor=meta), logits
 
 
-class StageWorker:
+class Stage(Protocol):
+    """What the ring's messages act on: a StageCompute, or on a tensor-parallel face its mirror
+    (runner/tp_mirror.py), which hands each message to the group's other members first."""
+
+    @property
+    def shard(self) -> Shard: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+    def check(self, step: Step, x: mx.array) -> None: ...
+    def run(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]: ...
+    def release(self, request_id: str) -> None: ...
+    def evict(self, blocks: list[int]) -> None: ...
+    def stop(self) -> None: ...
+    def finish_head(self, step: Step, packed: mx.array) -> tuple[StepResult, mx.array | None]: ...
+
+
+class StageCompute:
+    """One stage's compute: its shard, each request's KV cache, the prefix cache's blocks, and on the stage
+    that samples each request's sampling state. It obeys the ring's messages in the order it is handed them;
+    a tensor-parallel face's wrapper (runner/tp_mirror.py) hands each to the group's members first."""
+
     def __init__(self, shard: Shard, model_dir: Path | None = None, block: int = 256) -> None:
         self.shard = shard
         self.block = block  # KV positions per cache block: the prefill chunk
@@ -144,13 +167,8 @@ class StageWorker:
         self.steps = 0
         self.kv_peak_bytes = 0
         self.kv_bytes_per_token = 0
-        # A tensor-parallel face's members (dataplane/group.py): every message this stage obeys goes to them
-        # first, in the same order, so their caches follow the face's.
-        self.mirror: Callable[..., None] | None = None
 
     def release(self, request_id: str) -> None:
-        if self.mirror is not None:
-            self.mirror(Release(request_id=request_id))
         self.caches.pop(request_id, None)
         self.held.pop(request_id, None)
         if self.matchers is not None:
@@ -159,10 +177,11 @@ class StageWorker:
             self.reset_peaks()  # peaks from here on are what real requests cost
 
     def evict(self, blocks: list[int]) -> None:
-        if self.mirror is not None:
-            self.mirror(Evict(blocks=blocks))
         for b in blocks:
             self.store.pop(b, None)
+
+    def stop(self) -> None:
+        """The ring stops: a stage of one runner has nobody else to tell."""
 
     def clear(self) -> None:
         """A new generation: no requests, no cached blocks (its leader starts with an empty index)."""
@@ -226,12 +245,15 @@ class StageWorker:
             raise ProtocolError(f"hidden size {x.shape[-1]}, this model has {self.shard.hidden_size}")
 
     def run(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
-        """Returns the message for the next stage (hidden states) or, on the last stage, the step's result."""
+        """Returns the message for the next stage (hidden states) or, on the last stage, the step's result.
+        A step that does not fit raises ProtocolError before anything runs."""
+        self.check(step, x)
+        return self.run_checked(step, x)
+
+    def run_checked(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
+        """`run`, for a step `check` passed already."""
         if step.rows:
             return self._run_rows(step, x)
-        self.check(step, x)
-        if self.mirror is not None:
-            self.mirror(step, x)
         if step.prime is not None and self.samples:
             self.held[step.request_id] = Held.of(step.prime)
         self._prepare(step)
@@ -248,9 +270,6 @@ class StageWorker:
         return self._done(step, y)
 
     def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
-        self._check_rows(step, x)
-        if self.mirror is not None:
-            self.mirror(step, x)
         self._prepare(step)
         y = self.shard.forward_rows(x, [self.caches[r.request_id] for r in step.rows])
         mx.eval(y)

@@ -37,26 +37,66 @@ def test_election_is_sticky_lowest_id_and_raises_the_term():
     assert newer(1, "a", 0, None)
 
 
+def fold(s: cs.ClusterState, *events: cs.Event) -> tuple[cs.ClusterState, list[cs.Effect]]:
+    out: list[cs.Effect] = []
+    for e in events:
+        s, fx = cs.apply(s, e)
+        out += fx
+    return s, out
+
+
+def kinds(effects: list[cs.Effect]) -> list[str]:
+    return [e.kind for e in cs.happened(effects)]
+
+
+def sent(effects: list[cs.Effect]) -> list[cm.Claim | cm.Vote]:
+    return [fx.ballot for fx in effects if isinstance(fx, cs.Send)]
+
+
+def won(effects: list[cs.Effect]) -> int | None:
+    return next((fx.term for fx in effects if isinstance(fx, cs.Won)), None)
+
+
+def campaign(s: cs.ClusterState, settled: bool = True) -> tuple[cs.ClusterState, list[cs.Effect]]:
+    return cs.apply(s, cs.Campaign(now=0, settled=settled, patience=1))
+
+
 @pytest.mark.timeout(10)
 def test_membership_needs_both_token_and_reports_gone():
     s = cs.ClusterState(me="a", lease_s=2.0)
-    assert [e.kind for e in cs.apply(s, cs.Alive("b"), 0)] == ["join"]
-    cs.apply(s, cs.ReportIn(report("b"), at=10.0), 0)
-    cs.apply(s, cs.Gone("b"), 0)  # the token blinks...
-    assert cs.apply(s, cs.Tick(11.0), 0) == [] and "b" in s.alive  # ...while reports still come: alive
-    cs.apply(s, cs.ReportIn(report("b"), at=11.5), 0)
-    assert cs.apply(s, cs.Tick(13.0), 0) == [] and "b" in s.alive
-    left = cs.apply(s, cs.Tick(13.6), 0)  # no token, last report older than the lease: gone
-    assert [e.kind for e in left] == ["leave"] and "b" not in s.alive and "b" not in s.reports
+    s, fx = cs.apply(s, cs.Alive("b"))
+    assert kinds(fx) == ["join"]
+    s, _ = fold(s, cs.ReportIn(report("b"), at=10.0), cs.Gone("b"))  # the token blinks...
+    s, fx = cs.apply(s, cs.Tick(11.0))
+    assert fx == [] and "b" in s.alive  # ...while reports still come: alive
+    s, _ = cs.apply(s, cs.ReportIn(report("b"), at=11.5))
+    s, fx = cs.apply(s, cs.Tick(13.0))
+    assert fx == [] and "b" in s.alive
+    s, left = cs.apply(s, cs.Tick(13.6))  # no token, last report older than the lease: gone
+    assert kinds(left) == ["leave"] and "b" not in s.alive and "b" not in s.reports
     # A report after that is a node that lives (its token's event may be lost on a link that flapped): it
     # rejoins for a lease, and leaves again when nothing more comes.
-    assert [e.kind for e in cs.apply(s, cs.ReportIn(report("b"), at=14.0), 0)] == ["join"]
-    assert [e.kind for e in cs.apply(s, cs.Tick(16.1), 0)] == ["leave"]
-    assert cs.apply(s, cs.ReportIn(report("b").model_copy(update={"leaving": True}), at=16.5), 0) == []
-    assert "b" not in s.alive  # a leaving node's last report brings nothing back
-    assert [e.kind for e in cs.apply(s, cs.Alive("b"), 0)] == ["join"]  # it rejoins with its token
-    cs.apply(s, cs.ReportIn(report("b"), at=17.0), 0)
+    s, fx = cs.apply(s, cs.ReportIn(report("b"), at=14.0))
+    assert kinds(fx) == ["join"]
+    s, fx = cs.apply(s, cs.Tick(16.1))
+    assert kinds(fx) == ["leave"]
+    s, fx = cs.apply(s, cs.ReportIn(report("b").model_copy(update={"leaving": True}), at=16.5))
+    assert fx == [] and "b" not in s.alive  # a leaving node's last report brings nothing back
+    s, fx = cs.apply(s, cs.Alive("b"))
+    assert kinds(fx) == ["join"]  # it rejoins with its token
+    s, _ = cs.apply(s, cs.ReportIn(report("b"), at=17.0))
     assert list(s.reports) == ["b"]  # one entry: the same id, no ghost
+    assert [e.kind for e in s.events] == ["join", "leave", "join", "leave", "join"]  # kept for the views
+
+
+@pytest.mark.timeout(10)
+def test_a_report_replaces_only_its_own_entry():
+    s, _ = fold(cs.ClusterState(me="a"), cs.Alive("b"), cs.ReportIn(report("a")), cs.ReportIn(report("b")))
+    before = s
+    s, fx = cs.apply(s, cs.ReportIn(report("b"), at=1.0))
+    assert fx == [] and s.reports["a"] is before.reports["a"] and s.departed is before.departed
+    assert s.alive is before.alive and s.events is before.events
+    assert before.heard["b"] == 0.0 and s.heard["b"] == 1.0  # the older state is left as it was
 
 
 @pytest.mark.timeout(10)
@@ -64,47 +104,45 @@ def test_a_member_whose_token_event_was_lost_counts_for_the_masters_quorum_by_it
     # The soak's partition: n0's link flapped and it never heard n3's token again; n3's reports kept coming
     # and were dropped, so n0, master again with n3's and n4's votes, stepped down at once for want of them.
     s = cs.ClusterState(me="a", lease_s=2.0)
-    for n in "abc":
-        cs.apply(s, cs.Alive(n), 0)
-    cs.apply(s, cs.Gone("c"), 0)  # its token's event is lost; it still reports
-    cs.apply(s, cs.Tick(5.0), 0)
+    s, _ = fold(s, *(cs.Alive(n) for n in "abc"))
+    s, _ = fold(s, cs.Gone("c"), cs.Tick(5.0))  # its token's event is lost; it still reports
     assert "c" not in s.alive
-    cs.apply(s, cs.ReportIn(report("c"), at=5.5), 0)
-    cs.apply(s, cs.Tick(6.0), 0)
+    s, _ = fold(s, cs.ReportIn(report("c"), at=5.5), cs.Tick(6.0))
     assert "c" in s.alive
 
 
 @pytest.mark.timeout(10)
 def test_only_the_node_the_rule_names_campaigns_and_wins_with_a_quorum():
-    a, b = cs.ClusterState(me="a"), cs.ClusterState(me="b")
-    for s in (a, b):
-        cs.apply(s, cs.Alive("a"), 0)
-        cs.apply(s, cs.Alive("b"), 0)
-    assert cs.campaign(a, settled=False, now=0, patience=1) is None
-    claim = cs.campaign(a, settled=True, now=0, patience=1)
-    assert claim is not None and claim.term == 1 and claim.members == ["a", "b"]
-    assert cs.campaign(b, settled=True, now=0, patience=1) is None
+    a, _ = fold(cs.ClusterState(me="a"), cs.Alive("a"), cs.Alive("b"))
+    b, _ = fold(cs.ClusterState(me="b"), cs.Alive("a"), cs.Alive("b"))
+    assert campaign(a, settled=False)[1] == []
+    a, fx = campaign(a)
+    [claim] = sent(fx)
+    assert isinstance(claim, cm.Claim) and claim.term == 1 and claim.members == ["a", "b"]
+    assert campaign(b)[1] == []
     # Exactly half of {a, b} holding the lowest id is a quorum: a wins on its own vote.
-    assert cs.count(a) == 1 and a.is_master
-    vote = cs.grant(b, claim)
-    assert vote is not None
-    assert cs.grant(b, claim.model_copy(update={"candidate": "c"})) is None  # once a term
+    assert won(fx) == 1 and a.is_master and [e.kind for e in a.events][-1] == "master"
+    b, fx = cs.apply(b, cs.ClaimIn(claim))
+    assert sent(fx) != []
+    b, fx = cs.apply(b, cs.ClaimIn(claim.model_copy(update={"candidate": "c"})))
+    assert fx == []  # once a term
     abc = cm.Membership(members=["a", "b", "c"], term=1)  # c joined: the master's committed change
     view = cm.ClusterView(term=1, master="a", nodes=[member("a"), member("b"), member("c")], membership=abc)
-    for s in (a, b):
-        cs.apply(s, cs.ViewIn(view), 0)
-    assert cs.campaign(b, settled=True, now=0, patience=1) is None
+    a, _ = cs.apply(a, cs.ViewIn(view))
+    b, _ = cs.apply(b, cs.ViewIn(view))
+    assert campaign(b)[1] == []
     # A stale view of a lower term changes nothing.
-    cs.apply(b, cs.ViewIn(cm.ClusterView(term=0, master="z")), 0)
+    b, _ = cs.apply(b, cs.ViewIn(cm.ClusterView(term=0, master="z")))
     assert b.master == "a" and b.term == 1
     # The master leaves: alone, b holds no quorum of {a, b, c}; with c it campaigns for the next term.
-    cs.apply(b, cs.Gone("a"), 0)
-    cs.apply(b, cs.Tick(1e9), 0)
-    assert cs.campaign(b, settled=True, now=0, patience=1) is None
-    cs.apply(b, cs.Alive("c"), 0)
-    again = cs.campaign(b, settled=True, now=0, patience=1)
-    assert again is not None and again.term == 2 and cs.count(b) is None
-    assert cs.count(b, cm.Vote(term=2, candidate="b", voter="c")) == 2 and b.is_master
+    b, _ = fold(b, cs.Gone("a"), cs.Tick(1e9))
+    assert campaign(b)[1] == []
+    b, _ = cs.apply(b, cs.Alive("c"))
+    b, fx = campaign(b)
+    [again] = sent(fx)
+    assert again.term == 2 and won(fx) is None
+    b, fx = cs.apply(b, cs.VoteIn(cm.Vote(term=2, candidate="b", voter="c")))
+    assert won(fx) == 2 and b.is_master
 
 
 def member(node: str, alive: bool = True) -> cm.NodeSummary:
@@ -121,17 +159,18 @@ def test_exactly_half_elects_only_with_the_lowest_id():
 
 @pytest.mark.timeout(10)
 def test_a_node_does_not_vote_against_a_master_it_sees():
-    c = cs.ClusterState(me="c")
-    for n in ("a", "b", "c"):
-        cs.apply(c, cs.Alive(n), 0)
-    cs.apply(c, cs.ViewIn(cm.ClusterView(term=3, master="a")), 0)
+    c, _ = fold(cs.ClusterState(me="c"), *(cs.Alive(n) for n in ("a", "b", "c")))
+    c, _ = cs.apply(c, cs.ViewIn(cm.ClusterView(term=3, master="a")))
     claim = cm.Claim(term=4, candidate="b", members=["a", "b", "c"])
-    assert cs.grant(c, claim) is None and cs.reconsider(c) is None  # a is still seen
-    cs.apply(c, cs.Gone("a"), 0)
-    cs.apply(c, cs.Tick(1e9), 0)
-    assert cs.reconsider(c) == cm.Vote(term=4, candidate="b", voter="c")  # once a is gone: no new ask
-    assert cs.reconsider(c) is None
-    assert cs.grant(c, cm.Claim(term=3, candidate="b", members=[])) is None  # not above the view's term
+    c, fx = fold(c, cs.ClaimIn(claim), cs.Campaign(now=0, settled=False, patience=1))
+    assert fx == []  # a is still seen
+    c, _ = fold(c, cs.Gone("a"), cs.Tick(1e9))
+    c, fx = cs.apply(c, cs.Campaign(now=0, settled=False, patience=1))
+    assert sent(fx) == [cm.Vote(term=4, candidate="b", voter="c")]  # once a is gone: no new ask
+    c, fx = cs.apply(c, cs.Campaign(now=0, settled=False, patience=1))
+    assert fx == []
+    c, fx = cs.apply(c, cs.ClaimIn(cm.Claim(term=3, candidate="b", members=[])))
+    assert fx == []  # not above the view's term
 
 
 @pytest.mark.timeout(10)
@@ -158,9 +197,7 @@ def test_fencing_judges_only_runners_older_than_the_view():
 
 @pytest.mark.timeout(10)
 def test_node_losses_name_the_instances_and_nodes():
-    s = cs.ClusterState(me="a")
-    for n in ("a", "b"):
-        cs.apply(s, cs.Alive(n), 0)
+    s, _ = fold(cs.ClusterState(me="a"), cs.Alive("a"), cs.Alive("b"))
     stages = [cm.StageRecord(node_id="a", start=0, end=3), cm.StageRecord(node_id="c", start=3, end=6)]
     rec = cm.InstanceRecord(instance="i", model="m", generation=1, phase="ready", stages=stages)
     assert cs.node_losses(s, [rec]) == [("i", 1, "node c left the cluster", {"c"})]

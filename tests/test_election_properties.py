@@ -1,8 +1,8 @@
 """Elections and fencing under cuts, heals, deaths, restarts, joins and lost messages: at most one master per
 term, and never two masters launching one generation (two rings on one key space).
 
-The nodes run the real decision code (cluster/state.py: apply, campaign, grant, reconsider, count,
-reconfigure, durable/restore; cluster/election.py; stale_runners); only the network, the clock and the
+The nodes run the real decision code (cluster/state.py: the fold `apply`, durable/restore;
+cluster/election.py; stale_runners); only the network, the clock and the
 runners are simulated. A node that dies keeps what `durable` returns (the node writes it before it sends a
 vote or a claim) and comes back from it with `restore`. A master launches a generation of one instance each
 time it wins, as `term << 20` (controller/state.py), and lists it in its views; nodes stop runners the views
@@ -11,7 +11,7 @@ no longer list.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -66,6 +66,17 @@ class Sim:
             runners=self.runners.get(n, []),
         )
 
+    def fold(self, n: str, event: cs.Event) -> list[cs.Effect]:
+        self.states[n], effects = cs.apply(self.states[n], event)
+        return effects
+
+    def send(self, n: str, effects: list[cs.Effect]) -> None:
+        """The ballots among the effects go out; a term won launches and publishes."""
+        for fx in effects:
+            if isinstance(fx, cs.Send):
+                self.send_all(n, fx.ballot)
+        self.won(n, next((fx.term for fx in effects if isinstance(fx, cs.Won)), None))
+
     def won(self, n: str, term: int | None) -> None:
         if term is None:
             return
@@ -99,9 +110,8 @@ class Sim:
         self.send_all(n, view)
 
     def see_view(self, n: str, view: cm.ClusterView) -> None:
-        s = self.states[n]
-        cs.apply(s, cs.ViewIn(view), 0)
-        if s.view is view:  # accepted: fence this node's runners by it, as the node does
+        self.fold(n, cs.ViewIn(view))
+        if self.states[n].view is view:  # accepted: fence this node's runners by it, as the node does
             doomed = cs.stale_runners(view, self.runners.get(n, []))
             for instance, keep in doomed:
                 self.runners[n] = [
@@ -111,37 +121,32 @@ class Sim:
     def step(self, n: str) -> None:
         if n not in self.up:
             return
-        s = self.states[n]
         peers = self.peers(n)
-        for m in sorted(s.tokens - peers):
-            cs.apply(s, cs.Gone(m), 0)
+        for m in sorted(self.states[n].tokens - peers):
+            self.fold(n, cs.Gone(m))
         for m in sorted(peers):
-            cs.apply(s, cs.Alive(m), 0)
-            cs.apply(s, cs.ReportIn(self.report(m), self.now), 0)
-        cs.apply(s, cs.Tick(self.now), 0)
-        if not s.is_master:
+            self.fold(n, cs.Alive(m))
+            self.fold(n, cs.ReportIn(self.report(m), self.now))
+        self.fold(n, cs.Tick(self.now))
+        if not self.states[n].is_master:
             self.generation.pop(n, None)  # stepped down or deposed: it launches nothing more
-        if (vote := cs.reconsider(s)) is not None:
-            self.send_all(n, vote)
         # A node that never held a membership waits for a view before it may form one: it joins a cluster.
-        settled = s.membership is not None
-        if (claim := cs.campaign(s, settled=settled, now=self.now, patience=PATIENCE)) is not None:
-            self.send_all(n, claim)
-            self.won(n, cs.count(s))
-        if s.is_master:
-            cs.reconfigure(s)
+        settled = self.states[n].membership is not None
+        self.send(n, self.fold(n, cs.Campaign(now=self.now, settled=settled, patience=PATIENCE)))
+        if self.states[n].is_master:
+            self.fold(n, cs.Reconfigure())
             self.publish(n)
 
     def deliver(self, k: int) -> None:
         src, dst, msg = self.pending.pop(k % len(self.pending))
         if dst not in self.up:
             return  # lost with the node
-        s = self.states[dst]
         if isinstance(msg, cm.Claim):
-            if (vote := cs.grant(s, msg)) is not None and self.reach(src, dst):
-                self.pending.append((dst, src, vote))
+            for fx in self.fold(dst, cs.ClaimIn(msg)):
+                if isinstance(fx, cs.Send) and self.reach(src, dst):
+                    self.pending.append((dst, src, fx.ballot))
         elif isinstance(msg, cm.Vote):
-            self.won(dst, cs.count(s, msg))
+            self.send(dst, self.fold(dst, cs.VoteIn(msg)))
         else:
             assert isinstance(msg, cm.ClusterView)
             self.see_view(dst, msg)
@@ -156,9 +161,7 @@ class Sim:
         if n in self.up:
             return
         saved = cs.durable(self.states[n])
-        fresh = cs.ClusterState(me=n, lease_s=LEASE)
-        cs.restore(fresh, saved)
-        self.states[n] = fresh
+        self.states[n] = cs.restore(cs.ClusterState(me=n, lease_s=LEASE), saved)
         self.up.add(n)
 
     def join(self, n: str, group: int) -> None:
@@ -182,16 +185,15 @@ class Sim:
 def formed(n: int) -> Sim:
     """A cluster that formed: n0 won term 1 with every node, and every node holds its membership."""
     names = [f"n{i}" for i in range(n)]
-    states = {m: cs.ClusterState(me=m, lease_s=LEASE) for m in names}
+    everyone = frozenset(names)
+    states = {m: cs.ClusterState(me=m, lease_s=LEASE, alive=everyone, tokens=everyone) for m in names}
     sim = Sim(states, dict.fromkeys(names, 0), set(names))
-    for s in states.values():
-        s.alive, s.tokens = set(names), set(names)
-    claim = cs.campaign(states["n0"], settled=True, now=0.0, patience=PATIENCE)
-    assert claim is not None
+    effects = sim.fold("n0", cs.Campaign(now=0.0, settled=True, patience=PATIENCE))
+    [claim] = [fx.ballot for fx in effects if isinstance(fx, cs.Send)]
     sim.send_all("n0", claim)
     while sim.pending:
         sim.deliver(0)
-    assert all(s.master == "n0" and s.term == 1 and s.membership is not None for s in states.values())
+    assert all(s.master == "n0" and s.term == 1 and s.membership is not None for s in sim.states.values())
     return sim
 
 
@@ -267,17 +269,18 @@ def test_one_master_per_term_and_one_ring_per_generation(n: int, actions: list) 
 def cut_five() -> Sim:
     """The review's case: five members, master n2, cut {n1, n2} | {n3, n4, n5}."""
     names = ["n1", "n2", "n3", "n4", "n5"]
-    states = {m: cs.ClusterState(me=m, lease_s=LEASE) for m in names}
+    everyone = frozenset(names)
+    saved = {"term": 0, "membership": {"members": names, "version": 1, "term": 1}}
+    states = {  # n2 is the master of term 1 with the membership of all five
+        m: cs.restore(cs.ClusterState(me=m, lease_s=LEASE, alive=everyone, tokens=everyone), saved)
+        for m in names
+    }
+    states["n2"] = replace(states["n2"], term=1, master="n2")
     sim = Sim(states, dict.fromkeys(names, 0), set(names))
-    for s in states.values():
-        s.alive, s.tokens = set(names), set(names)
-    for m in names:  # n2 is the master of term 1 with the membership of all five
-        cs.restore(states[m], {"term": 0, "membership": {"members": names, "version": 1, "term": 1}})
-    states["n2"].term, states["n2"].master = 1, "n2"
     sim.won("n2", 1)
     while sim.pending:
         sim.deliver(0)
-    assert all(s.master == "n2" for s in states.values())
+    assert all(s.master == "n2" for s in sim.states.values())
     return sim
 
 
@@ -306,12 +309,15 @@ def test_a_cut_off_master_steps_down_and_its_side_never_elects() -> None:
 def test_terms_are_bounded_and_rise_one_step_at_a_time() -> None:
     s = cs.ClusterState(me="b")
     for n in ("a", "b", "c"):
-        cs.apply(s, cs.Alive(n), 0)
+        s, _ = cs.apply(s, cs.Alive(n))
     far = cm.Claim(term=1 << 43, candidate="a", members=["a", "b", "c"])
-    assert cs.grant(s, far) is None and s.seen_term == 0 and s.refused_terms == 1
-    assert cs.grant(s, far.model_copy(update={"term": 5})) is None  # a jump past what b knows
-    assert cs.grant(s, far.model_copy(update={"term": 1})) is not None
-    cs.apply(s, cs.ViewIn(cm.ClusterView(term=election.MAX_TERM + 1, master="a")), 0)
+    s, fx = cs.apply(s, cs.ClaimIn(far))
+    assert fx == [] and s.seen_term == 0 and s.refused_terms == 1
+    s, fx = cs.apply(s, cs.ClaimIn(far.model_copy(update={"term": 5})))
+    assert fx == []  # a jump past what b knows
+    s, fx = cs.apply(s, cs.ClaimIn(far.model_copy(update={"term": 1})))
+    assert len(fx) == 1 and isinstance(fx[0], cs.Send)
+    s, _ = cs.apply(s, cs.ViewIn(cm.ClusterView(term=election.MAX_TERM + 1, master="a")))
     assert s.term == 0 and s.view is None and s.refused_terms == 3
     with pytest.raises(ValueError):
         cs.restore(cs.ClusterState(me="x"), {"term": 1 << 50})
@@ -324,13 +330,13 @@ def test_a_vote_survives_a_restart() -> None:
     claim = cm.Claim(
         term=2, candidate="n2", members=["n0", "n1", "n2"], membership=sim.states["n2"].membership
     )
-    sim.states["n1"].master = None  # its lease says n0 is gone
-    assert cs.grant(sim.states["n1"], claim) is not None
+    sim.states["n1"] = replace(sim.states["n1"], master=None)  # its lease says n0 is gone
+    assert sim.fold("n1", cs.ClaimIn(claim)) != []
     sim.die("n1")
     sim.restart("n1")  # the same term, another candidate: refused from what it persisted
     other = claim.model_copy(update={"candidate": "n0"})
-    assert cs.grant(sim.states["n1"], other) is None
-    assert cs.grant(sim.states["n1"], claim) is not None  # the same vote again is the same vote
+    assert sim.fold("n1", cs.ClaimIn(other)) == []
+    assert sim.fold("n1", cs.ClaimIn(claim)) != []  # the same vote again is the same vote
 
 
 @pytest.mark.timeout(10)
@@ -338,13 +344,14 @@ def test_a_voter_refuses_a_candidate_with_an_older_membership() -> None:
     """Raft's up-to-date rule: a node that missed a committed change is not elected by those who hold it."""
     old = cm.Membership(members=["a", "b", "c"], version=1, term=1)
     new = cm.Membership(members=["a", "b", "c", "d"], version=2, term=1)
-    v = cs.ClusterState(me="b")
-    cs.restore(v, {"term": 1, "membership": new.model_dump(mode="json")})
+    v = cs.restore(cs.ClusterState(me="b"), {"term": 1, "membership": new.model_dump(mode="json")})
     for n in ("a", "b", "c", "d"):
-        cs.apply(v, cs.Alive(n), 0)
+        v, _ = cs.apply(v, cs.Alive(n))
     behind = cm.Claim(term=2, candidate="c", members=old.members, membership=old)
-    assert cs.grant(v, behind) is None
-    assert cs.grant(v, behind.model_copy(update={"membership": new})) is not None
+    v, fx = cs.apply(v, cs.ClaimIn(behind))
+    assert fx == []
+    v, fx = cs.apply(v, cs.ClaimIn(behind.model_copy(update={"membership": new})))
+    assert fx != []
 
 
 @pytest.mark.timeout(10)
@@ -352,11 +359,11 @@ def test_an_operator_forgets_a_dead_member_by_a_committed_change() -> None:
     sim = formed(3)
     sim.die("n2")
     sim.settle(1)
-    master = sim.states["n0"]
-    assert cs.forget(master, "n1") != ""  # alive: it is not forgotten
-    assert cs.forget(sim.states["n1"], "n2") != ""  # not the master
-    assert cs.forget(master, "n2") == ""
+    assert sim.fold("n0", cs.Forget("n1")) != []  # alive: it is not forgotten (Refused)
+    assert sim.fold("n1", cs.Forget("n2")) != []  # not the master
+    assert sim.fold("n0", cs.Forget("n2")) == []
     sim.settle(3)
+    master = sim.states["n0"]
     assert all(
         s.membership is not None and s.membership.members == ["n0", "n1"] for s in (master, sim.states["n1"])
     )

@@ -148,17 +148,13 @@ def test_an_instance_is_recovering_until_it_serves_again():
 @pytest.mark.timeout(10)
 def test_a_node_that_left_is_kept_as_departed_until_it_rejoins():
     s = cs.ClusterState(me="a", lease_s=2.0)
-    cs.apply(s, cs.Alive("b"), 0)
-    cs.apply(s, cs.ReportIn(report("b"), at=10.0), 0)
-    cs.apply(s, cs.Gone("b"), 0)
-    cs.apply(s, cs.Tick(13.0), now_wall=500.0)
+    for e in (cs.Alive("b"), cs.ReportIn(report("b"), at=10.0), cs.Gone("b"), cs.Tick(13.0, wall=500.0)):
+        s, _ = cs.apply(s, e)
     assert "b" not in s.reports and s.departed["b"][1] == 500.0
-    cs.apply(s, cs.Alive("b"), 0)
+    s, _ = cs.apply(s, cs.Alive("b"))
     assert "b" not in s.departed
     for i in range(cs.MAX_DEPARTED + 5):  # bounded: the oldest departures are forgotten
         n = f"n{i:02d}"
-        cs.apply(s, cs.Alive(n), 0)
-        cs.apply(s, cs.ReportIn(report(n), at=20.0), 0)
-        cs.apply(s, cs.Gone(n), 0)
-        cs.apply(s, cs.Tick(30.0), now_wall=1000.0 + i)
+        for e in (cs.Alive(n), cs.ReportIn(report(n), at=20.0), cs.Gone(n), cs.Tick(30.0, wall=1000.0 + i)):
+            s, _ = cs.apply(s, e)
     assert len(s.departed) == cs.MAX_DEPARTED and "n00" not in s.departed

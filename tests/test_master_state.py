@@ -53,8 +53,8 @@ def report(
 def cluster(nodes: list[str] = ["a", "b"], **reports: cm.NodeReport) -> cs.ClusterState:  # noqa: B006
     s = cs.ClusterState(me=nodes[0])
     for n in nodes:
-        cs.apply(s, cs.Alive(n), 0)
-        cs.apply(s, cs.ReportIn(reports.get(n) or report(n), at=0.0), 0)
+        s, _ = cs.apply(s, cs.Alive(n))
+        s, _ = cs.apply(s, cs.ReportIn(reports.get(n) or report(n), at=0.0))
     return s
 
 
@@ -67,7 +67,7 @@ def place(nonce: str = "", qid: int = 0, salt: str = "s0", **kw: object) -> ms.Q
     return ms.QueryIn(qid, cm.Place(model="m", request=REQ, nonce=nonce, **kw), salt=salt, at=1.0)  # type: ignore[arg-type]
 
 
-def replies(commands: list[ms.Command]) -> list[ms.Reply]:
+def replies(commands: list[ms.Effect]) -> list[ms.Reply]:
     return [c for c in commands if isinstance(c, ms.Reply)]
 
 

@@ -231,11 +231,11 @@ def _holder(digest: str, at: float, full: bool = True) -> cm.LocalModel:
 def _cluster(reports: dict[str, cm.NodeReport], alive: set[str] | None = None) -> cs.ClusterState:
     s = cs.ClusterState(me="a")
     for n, r in reports.items():
-        cs.apply(s, cs.Alive(n), 0)
-        cs.apply(s, cs.ReportIn(r, at=0.0), 0)
+        s, _ = cs.apply(s, cs.Alive(n))
+        s, _ = cs.apply(s, cs.ReportIn(r, at=0.0))
     for n in set(reports) - (alive if alive is not None else set(reports)) - {"a"}:
-        cs.apply(s, cs.Gone(n), 0)
-        cs.apply(s, cs.Tick(100.0), 0)
+        s, _ = cs.apply(s, cs.Gone(n))
+        s, _ = cs.apply(s, cs.Tick(100.0))
     return s
 
 
@@ -318,7 +318,7 @@ def test_placing_needs_a_recorded_digest_and_every_launch_names_it() -> None:
     # though a holder of another version with an earlier record has joined since.
     view = ms.view(replace(s, seq=1))
     later = _cluster({"a": _report("a", _holder(D1, 1.0)), "b": _report("b", _holder(D2, 0.5))})
-    cs.apply(later, cs.ViewIn(view), 0)
+    later, _ = cs.apply(later, cs.ViewIn(view))
     assert cs.expected_digest(later, "m") == D1  # an earlier claim moves nothing
     new = ms.initial(config, 2, ms.snapshot(later, 0.0, 1000.0))
     assert new.records[old.instance].digest == D1
@@ -350,14 +350,20 @@ def test_a_nodes_notices_become_events_once_however_often_it_reports_them() -> N
     n1 = cm.ClusterEvent(at=10.0, kind="weights", node="b", instance="i", message="node b refused")
     n2 = cm.ClusterEvent(at=11.0, kind="weights", node="c", instance="i", message="node c refused")
     s = _cluster({"a": _report("a", None)})
-    cs.apply(s, cs.Alive("b"), 0)
-    assert cs.apply(s, cs.ReportIn(_report("b", None, [n1]), at=1.0), 0) == [n1]
-    assert cs.apply(s, cs.ReportIn(_report("b", None, [n1]), at=2.0), 0) == []
-    assert cs.apply(s, cs.ReportIn(_report("b", None, [n2, n1]), at=3.0), 0) == [n2]
+    s, _ = cs.apply(s, cs.Alive("b"))
+
+    def fold(report: cm.NodeReport, at: float) -> list[cm.ClusterEvent]:
+        nonlocal s
+        s, effects = cs.apply(s, cs.ReportIn(report, at=at))
+        return cs.happened(effects)
+
+    assert fold(_report("b", None, [n1]), 1.0) == [n1]
+    assert fold(_report("b", None, [n1]), 2.0) == []
+    assert fold(_report("b", None, [n2, n1]), 3.0) == [n2]
     assert [e for e in s.events if e.kind == "weights"] == [n1, n2]
     # A node heard of by its report alone joins (its token's event may have been lost) and its notices count
     # once; the last report of a node that is leaving is not folded at all.
-    joined = cs.apply(s, cs.ReportIn(_report("d", None, [n1]), at=3.0), 0)
+    joined = fold(_report("d", None, [n1]), 3.0)
     assert [e.kind for e in joined] == ["join", "weights"]
     leaving = _report("ghost", None, [n1]).model_copy(update={"leaving": True})
-    assert cs.apply(s, cs.ReportIn(leaving, at=3.0), 0) == []
+    assert fold(leaving, 3.0) == []

@@ -2,7 +2,7 @@
 
 The node loop thread is the only one that changes the master's state: it calls `step` once per loop step
 with what was posted to it since the last (queries, controllers' updates) and a snapshot of the node's
-ClusterState, folds them in with `master_state.apply`, and carries out the commands that come back.
+ClusterState, folds them in with `master_state.apply`, and carries out the effects that come back.
 Other threads only post events: the zenoh queryable's callback posts each query (the zenoh Query is kept
 and answered from the loop), and each InstanceController (one per instance, controller/controller.py, with
 its own thread) posts an InstanceUpdate when it changes and a Laid event when it lays out a generation. A
@@ -181,7 +181,7 @@ class Master:
             except Exception:  # one command failing must not lose the others (replies above all)
                 log.exception("master command %s failed", type(cmd).__name__)
 
-    def _do(self, cmd: ms.Command) -> None:
+    def _do(self, cmd: ms.Effect) -> None:
         if isinstance(cmd, ms.Reply):
             query = self._pending.pop(cmd.qid, None)
             if query is not None:

@@ -1,9 +1,9 @@
-"""The master as a pure fold: `apply(state, event) -> (state, commands)`.
+"""The master as a pure fold: `apply(state, event) -> (state, effects)`.
 
 Like cluster/state.py and controller/state.py, this holds no thread, lock, clock or socket. The node loop
 thread is the only one that feeds it (cluster/master.py is the shell): queries that arrived on the master's
 queryable, updates from its instance controllers, and one Seen per loop step carrying a snapshot of the
-node's ClusterState. The commands it returns are what the shell carries out: publish a view, reply to a
+node's ClusterState. The effects it returns are commands the shell carries out: publish a view, reply to a
 query, start or stop an instance controller, fault a generation, log cluster events.
 
 Layouts (where the stages of a new generation go) are `layout`, a pure function of this state and the
@@ -46,7 +46,7 @@ class MasterConfig:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The cluster as the node knew it at one loop step. `cluster` is a copy, never mutated (snapshot())."""
+    """The cluster as the node knew it at one loop step (a ClusterState is immutable: held as is)."""
 
     now: float  # monotonic
     wall: float
@@ -54,26 +54,7 @@ class Snapshot:
 
 
 def snapshot(state: cs.ClusterState, now: float, wall: float) -> Snapshot:
-    """A copy of the node's ClusterState that the loop may go on mutating (reports are replaced, never
-    changed in place, so copying the containers is enough)."""
-    return Snapshot(
-        now,
-        wall,
-        cs.ClusterState(
-            me=state.me,
-            lease_s=state.lease_s,
-            alive=set(state.alive),
-            tokens=set(state.tokens),
-            heard=dict(state.heard),
-            reports=dict(state.reports),
-            departed=dict(state.departed),
-            term=state.term,
-            master=state.master,
-            view=state.view,
-            events=type(state.events)(state.events, maxlen=state.events.maxlen),
-            membership=state.membership,  # immutable: views carry the agreed membership
-        ),
-    )
+    return Snapshot(now, wall, state)
 
 
 # ---- events --------------------------------------------------------------------------------------------
@@ -135,7 +116,7 @@ class InstanceUpdate:
 Event = Seen | QueryIn | Laid | InstanceUpdate
 
 
-# ---- commands ------------------------------------------------------------------------------------------
+# ---- effects -------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -179,7 +160,7 @@ class Log:
     event: cm.ClusterEvent
 
 
-Command = PublishView | Reply | StartInstance | StopInstance | FaultGeneration | Log
+Effect = PublishView | Reply | StartInstance | StopInstance | FaultGeneration | Log
 
 
 # ---- the state -----------------------------------------------------------------------------------------
@@ -208,7 +189,7 @@ def initial(config: MasterConfig, term: int, snap: Snapshot) -> MasterState:
     return MasterState(config=config, term=term, started=snap.now, snapshot=snap, records=records)
 
 
-def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Command]]:
+def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Effect]]:
     if isinstance(event, Seen):
         return _seen(state, event)
     if isinstance(event, QueryIn):
@@ -233,10 +214,10 @@ def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Command]]
 # ---- the step ------------------------------------------------------------------------------------------
 
 
-def _seen(state: MasterState, event: Seen) -> tuple[MasterState, list[Command]]:
+def _seen(state: MasterState, event: Seen) -> tuple[MasterState, list[Effect]]:
     snap = event.snapshot
     state = replace(state, snapshot=snap)
-    out: list[Command] = []
+    out: list[Effect] = []
     if not state.rebuilt and snap.now - state.started >= state.config.report_s * 2:
         state, out = _rebuild(state)  # one report period (and a margin) after the claim: all reported
     for instance, generation, why, lost in cs.node_losses(snap.cluster, list(state.records.values())):
@@ -250,7 +231,7 @@ def _seen(state: MasterState, event: Seen) -> tuple[MasterState, list[Command]]:
     return state, out
 
 
-def _rebuild(state: MasterState) -> tuple[MasterState, list[Command]]:
+def _rebuild(state: MasterState) -> tuple[MasterState, list[Effect]]:
     """Instances from the newest records anyone holds; adopt what still serves, rebuild the rest."""
     held = {
         (i.instance, i.generation, i.stage, node_id)
@@ -258,7 +239,7 @@ def _rebuild(state: MasterState) -> tuple[MasterState, list[Command]]:
         for i in r.runners
         if i.pid is not None
     }
-    out: list[Command] = []
+    out: list[Effect] = []
     running = set(state.running)
     for rec in state.records.values():
         if rec.instance in running:
@@ -284,7 +265,7 @@ def _attn_keys(state: MasterState, model: str) -> int:
 # ---- queries -------------------------------------------------------------------------------------------
 
 
-def _query(state: MasterState, event: QueryIn) -> tuple[MasterState, list[Command]]:
+def _query(state: MasterState, event: QueryIn) -> tuple[MasterState, list[Effect]]:
     q = event.query
     # A client that retried (its first answer was slow or lost) gets the first answer again.
     if q.nonce and q.nonce in state.answered:
@@ -303,11 +284,11 @@ def _query(state: MasterState, event: QueryIn) -> tuple[MasterState, list[Comman
     return state, [*out, Reply(event.qid, reply)]
 
 
-def _remove(state: MasterState, q: cm.Remove, at: float) -> tuple[MasterState, cm.MasterReply, list[Command]]:
+def _remove(state: MasterState, q: cm.Remove, at: float) -> tuple[MasterState, cm.MasterReply, list[Effect]]:
     rec = state.records.get(q.instance)
     if rec is None:
         return state, cm.MasterReply(ok=False, error=f"no instance {q.instance!r}", term=state.term), []
-    out: list[Command] = [StopInstance(q.instance)] if q.instance in state.running else []
+    out: list[Effect] = [StopInstance(q.instance)] if q.instance in state.running else []
     out.append(Log(cm.ClusterEvent(at=at, kind="removed", instance=q.instance, message=rec.model)))
     records = {k: v for k, v in state.records.items() if k != q.instance}
     paused = {k: v for k, v in state.paused.items() if k != q.instance}
@@ -323,7 +304,7 @@ def existing(state: MasterState, model: str) -> cm.InstanceRecord | None:
 
 def _place(
     state: MasterState, q: cm.Place, salt: str, at: float
-) -> tuple[MasterState, cm.MasterReply, list[Command]]:
+) -> tuple[MasterState, cm.MasterReply, list[Effect]]:
     if q.if_absent and (rec := existing(state, q.model)) is not None:
         return state, cm.MasterReply(ok=True, instance=rec, term=state.term), []
     snap = state.snapshot.cluster
@@ -364,7 +345,7 @@ def _place(
     state = replace(
         state, records={**state.records, instance: rec}, running=state.running | {instance}, dirty=True
     )
-    out: list[Command] = [
+    out: list[Effect] = [
         StartInstance(rec, adopt=False, attn_keys=6 * max(1, fp.hidden_size)),
         Log(cm.ClusterEvent(at=at, kind="placed", instance=instance, message=_describe(placement))),
     ]
@@ -396,7 +377,7 @@ def _holds_stages(snap: cs.ClusterState, node_id: str) -> bool:
 # ---- controllers' updates ------------------------------------------------------------------------------
 
 
-def _update(state: MasterState, u: InstanceUpdate) -> tuple[MasterState, list[Command]]:
+def _update(state: MasterState, u: InstanceUpdate) -> tuple[MasterState, list[Effect]]:
     rec = state.records.get(u.instance)
     if rec is None or u.instance not in state.running:
         return state, []  # removed meanwhile

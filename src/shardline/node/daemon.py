@@ -2,9 +2,10 @@
 time, the master.
 
 The node publishes its own facts (identity, resources, models, runners, the newest view it saw) on a short
-period and holds a liveliness token; it folds what it hears into a ClusterState (cluster/state.py) and acts
-on the pure decisions there: claim mastery when the election rule names it, kill runners that the newest
-view no longer lists. Everything the master knows can be rebuilt from these reports within one period.
+period and holds a liveliness token; it folds what it hears into a ClusterState (cluster/state.py:
+`apply(state, event) -> (state, effects)`) and carries out the effects: send ballots, log cluster events,
+take or drop the master role; it kills runners that the newest view no longer lists. Everything the master
+knows can be rebuilt from these reports within one period.
 """
 
 from __future__ import annotations
@@ -126,13 +127,13 @@ class Node:
         self.score = config.compute_score or compute_score()
         self.read_gbps = read_bandwidth()
         self.device = device_kind()
-        self.state = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
         self._election_path = data_dir / ELECTION_FILE
-        self._durable = load_election(self._election_path, self.state)
-        self.lock = threading.RLock()  # the state; never held while sending
-        self.changed = threading.Condition(self.lock)
+        fresh = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
+        # Immutable, replaced by the loop (and by an operator's Forget): readers take it without the lock.
+        self.state, self._durable = load_election(self._election_path, fresh)
+        self.lock = threading.RLock()  # serialises the state's writers; never held while sending
         # Bounded: a loop that fell behind drops (and counts) rather than stalling zenoh's receive threads.
-        self._events: queue.Queue[cs.Event | cs.Ballot | Posted] = queue.Queue(maxsize=EVENTS_CAPACITY)
+        self._events: queue.Queue[cs.Event | Posted] = queue.Queue(maxsize=EVENTS_CAPACITY)
         self.dropped_events = 0
         self._closed = threading.Event()
         self._leaving = False
@@ -191,7 +192,7 @@ class Node:
         ]
         self._token = s.liveliness().declare_token(self.keys.alive(self.node_id))
         self.links = LinkProber(s, self.config.namespace, self.node_id, self._live_peers).start()
-        self._enqueue(cs.Alive(self.node_id))
+        self._enqueue(cs.Alive(self.node_id, time.time()))
         # The settle window opens now, when the node can hear others: measuring, hashing and the API's start
         # must not use it up, or a joining node campaigns alone before it hears the sitting master.
         self.started_mono = time.monotonic()
@@ -261,7 +262,7 @@ class Node:
     def _on_alive(self, sample: zenoh.Sample) -> None:
         node = node_from_key(str(sample.key_expr))
         gone = sample.kind == zenoh.SampleKind.DELETE
-        self._enqueue(cs.Gone(node) if gone else cs.Alive(node))
+        self._enqueue(cs.Gone(node) if gone else cs.Alive(node, time.time()))
 
     def _put(self, publisher: zenoh.Publisher, data: bytes, crl: bytes = b"") -> None:
         """Put `data` sealed as this node's (trust/seal.py): peers check who said it before folding it in."""
@@ -291,9 +292,9 @@ class Node:
         if sample.attachment is not None:
             self._checker.adopt_crl(sample.attachment.to_bytes())  # peers carry the CA's newest list
         if isinstance(msg, cm.NodeReport):
-            self._enqueue(cs.ReportIn(msg, time.monotonic()))
+            self._enqueue(cs.ReportIn(msg, time.monotonic(), time.time()))
         else:
-            self._enqueue(cs.ViewIn(msg))
+            self._enqueue(cs.ViewIn(msg, time.time()))
 
     def _on_ballot(self, sample: zenoh.Sample) -> None:
         data = bytes(sample.payload.to_bytes())
@@ -304,9 +305,9 @@ class Node:
             return
         if self._unsealed(msg.kind, msg.candidate if isinstance(msg, cm.Claim) else msg.voter, data, sample):
             return
-        self._enqueue(cs.ClaimIn(msg) if isinstance(msg, cm.Claim) else cs.VoteIn(msg))
+        self._enqueue(cs.ClaimIn(msg) if isinstance(msg, cm.Claim) else cs.VoteIn(msg, time.time()))
 
-    def _enqueue(self, event: cs.Event | cs.Ballot) -> None:
+    def _enqueue(self, event: cs.Event) -> None:
         try:
             self._events.put_nowait(event)
         except queue.Full:
@@ -319,8 +320,7 @@ class Node:
     def _obey(self, term: int) -> bool:
         """Whether a command of this master term is obeyed: the highest term seen, never one past the bound
         (a lower one is dropped and counted by the agent)."""
-        with self.lock:
-            return self.state.term <= term <= election.MAX_TERM
+        return self.state.term <= term <= election.MAX_TERM
 
     # ---- the loop: fold, then act on the decisions ---------------------------------------------------------
 
@@ -340,73 +340,69 @@ class Node:
             except Exception:  # the node must outlive any one bad step
                 log.exception("node step failed")
 
-    def _step(self, all_events: list[cs.Event | cs.Ballot | Posted]) -> None:
+    def _step(self, all_events: list[cs.Event | Posted]) -> None:
         now, mono = time.time(), time.monotonic()
-        events = [e for e in all_events if not isinstance(e, Posted)]
-        ballots: list[cm.Claim | cm.Vote] = []
-        term: int | None = None
+        events: list[cs.Event] = [e for e in all_events if not isinstance(e, Posted)]
+        effects: list[cs.Effect] = []
         with self.lock:
-            happened = []
-            for e in [*events, cs.Tick(mono)]:
-                if isinstance(e, cs.ClaimIn):
-                    if (vote := cs.grant(self.state, e.claim)) is not None:
-                        ballots.append(vote)
-                elif isinstance(e, cs.VoteIn):
-                    term = cs.count(self.state, e.vote) or term
-                else:
-                    happened += cs.apply(self.state, e, now)
-            if (vote := cs.reconsider(self.state)) is not None:
-                ballots.append(vote)
+            state = self.state
             settled = self._settled(mono)
-            if (claim := cs.campaign(self.state, settled, mono, self._patience())) is not None:
-                log.info("node %s asks for votes for term %d", self.node_id, claim.term)
-                ballots.append(claim)
-                term = cs.count(self.state) or term  # a quorum alone: one node, or half with the lowest id
-            reconfigured = self.master is not None and self.state.is_master and cs.reconfigure(self.state)
-            if reconfigured:
-                log.info("membership: %s", self.state.membership)
-            deposed = self.master is not None and not self.state.is_master
-            view = self.state.view
-            durable = cs.durable(self.state)
-            self.changed.notify_all()
+            steps = [*events, cs.Tick(mono, now), cs.Campaign(mono, settled, self._patience(), now)]
+            if self.master is not None:  # the master role runs: it changes the membership
+                steps.append(cs.Reconfigure())
+            for e in steps:
+                state, fx = cs.apply(state, e)
+                effects += fx
+            self.state = state
+        durable = cs.durable(state)
         if durable != self._durable:  # on disk before any vote, claim or view says it
             save_election(self._election_path, durable)
             self._durable = durable
-        for b in ballots:
-            self._put(self._ballot_pub, encode(b))
+        happened = cs.happened(effects)
+        reconfigured = False
+        term: int | None = None
+        for fx in effects:
+            if isinstance(fx, cs.Send):
+                if isinstance(fx.ballot, cm.Claim):
+                    log.info("node %s asks for votes for term %d", self.node_id, fx.ballot.term)
+                self._put(self._ballot_pub, encode(fx.ballot))
+            elif isinstance(fx, cs.Won):
+                term = fx.term
+            elif isinstance(fx, cs.Reconfigured):
+                log.info("membership: %s", fx.membership)
+                reconfigured = True
         for e in happened:
             log.info("%s %s", e.kind, e.node)
-        if deposed and self.master is not None:
-            log.warning("node %s is no longer master (term %d)", self.node_id, self.state.term)
+        if self.master is not None and not state.is_master:
+            log.warning("node %s is no longer master (term %d)", self.node_id, state.term)
             self.master.close(stop_runners=False, wait=False)  # its controllers end off this loop
             self.master = None
         if term is not None:
             say = log.info if term == 1 else log.warning  # a change of master is news; the first is not
             say("node %s becomes master with term %d", self.node_id, term)
-            with self.lock:
-                self.state.events.append(cm.ClusterEvent(at=now, kind="master", node=self.node_id))
             self.master = self._new_master(term)
         if self.master is not None:
             # Only what was posted to this master: a deposed one's queries and updates are dropped.
             posted = [e.event for e in all_events if isinstance(e, Posted) and e.master is self.master]
             self.master.step(posted, self._snapshot, bool(happened) or reconfigured)
+        view = state.view
         if view is not None and self.agent is not None and any(isinstance(e, cs.ViewIn) for e in events):
             self._fence(view)
 
     def _snapshot(self) -> ms.Snapshot:
-        with self.lock:
-            return ms.snapshot(self.state, time.monotonic(), time.time())
+        return ms.snapshot(self.state, time.monotonic(), time.time())
 
     def _forget(self, node: str) -> str:
         """Called from zenoh's thread: an operator's removal of a dead member (committed by the loop)."""
         with self.lock:
-            why = cs.forget(self.state, node)
+            self.state, effects = cs.apply(self.state, cs.Forget(node))
+        why = next((fx.why for fx in effects if isinstance(fx, cs.Refused)), "")
         log.warning("forget %s: %s", node, why or "removal proposed")
         return why
 
     def _log_events(self, events: list[cm.ClusterEvent]) -> None:
         with self.lock:
-            self.state.events.extend(events)
+            self.state, _ = cs.apply(self.state, cs.Record(tuple(events)))
 
     def _new_master(self, term: int) -> Master:
         assert self.session is not None
@@ -464,7 +460,7 @@ class Node:
 
     def publish_view(self, view: cm.ClusterView) -> None:
         self._put(self._view_pub, encode(view), self._checker.crl_der())
-        self._enqueue(cs.ViewIn(view))
+        self._enqueue(cs.ViewIn(view, time.time()))
 
     # ---- reports -------------------------------------------------------------------------------------------
 
@@ -546,9 +542,10 @@ class Node:
                     held += psutil.Process(pid).memory_info().rss
                 except psutil.Error:
                     pass
+        state = self.state
+        term, instances = state.term, state.instances()
+        config, ballot_term = cs.config_key(state.membership), cs.known_term(state)
         with self.lock:
-            term, instances = self.state.term, self.state.instances()
-            config, ballot_term = cs.config_key(self.state.membership), cs.known_term(self.state)
             notices = [n for n in self._notices if time.time() - n.at < NOTICE_TTL_S]
         return cm.NodeReport(
             node_id=self.node_id,
@@ -570,16 +567,15 @@ class Node:
         )
 
     def _live_peers(self) -> list[str]:
-        with self.lock:
-            reports = self.state.reports
-            return sorted(n for n in self.state.alive if n in reports and reports[n].holds_stages)
+        state = self.state
+        return sorted(n for n in state.alive if n in state.reports and state.reports[n].holds_stages)
 
     def _reporter(self) -> None:
         while not self._closed.wait(self.config.report_s):  # the report period, not a synchronisation
             try:
                 r = self.report()
                 self._put(self._report_pub, encode(r), self._checker.crl_der())
-                self._enqueue(cs.ReportIn(r, time.monotonic()))
+                self._enqueue(cs.ReportIn(r, time.monotonic(), time.time()))
             except Exception:
                 log.exception("report failed")
 
@@ -600,21 +596,22 @@ class Node:
         )
 
 
-def load_election(path: Path, state: cs.ClusterState) -> dict[str, object]:
-    """Restore the node's term, vote and membership from its state directory; what it holds now.
+def load_election(path: Path, state: cs.ClusterState) -> tuple[cs.ClusterState, dict[str, object]]:
+    """The state with the node's term, vote and membership restored from its state directory, and what it
+    holds now.
 
     A file that cannot be read is an error, never silently forgotten: a node that forgets its vote may
     vote twice in one term."""
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return cs.durable(state)  # a fresh node
+        return state, cs.durable(state)  # a fresh node
     try:
-        cs.restore(state, json.loads(text))
+        state = cs.restore(state, json.loads(text))
     except (ValueError, TypeError) as exc:
         raise RuntimeError(f"{path}: election state unreadable ({exc}); move it aside to forget it") from exc
     log.info("node %s resumes term %d (voted in %d)", state.me, state.term, state.voted_term)
-    return cs.durable(state)
+    return state, cs.durable(state)
 
 
 def save_election(path: Path, durable: dict[str, object]) -> None:

@@ -1,9 +1,10 @@
 """The instance controller: generations, bring-up, health judgment, restarts.
 
-A thin shell around controller/state.py: it folds status messages into the state, asks `judge` and
-`after_failure` what to do, and says it in messages: StartRunner / StopGeneration to node agents,
-Serving / Recovering / InstanceFailed to the fronts. Where the stages go is the layout's business (a fixed
-split on one machine, the master's placement in a cluster). It holds no request and is not on the data path.
+A thin shell around the fold in controller/state.py: it holds the state, folds in every status message and
+the clock's ticks, and carries out the effects: StartRunner / StopGeneration to node agents, Serving /
+Recovering / InstanceFailed to the fronts, a layout computed and folded back. Where the stages go is the
+layout's business (a fixed split on one machine, the master's placement in a cluster). It holds no request
+and is not on the data path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ import zenoh
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import DeadlineExceeded, Inbox, Keys, Outbox
 
+from . import events as ev
 from . import state as st
+from .events import Launch
+
+__all__ = ["InstanceController", "Launch", "Layout", "LayoutError"]
 
 log = logging.getLogger("shardline.controller")
 TICK_S = 0.1  # how often health is judged when nothing arrives
@@ -30,7 +35,6 @@ class LayoutError(Exception):
     """No layout for a new generation (the model does not fit what is left): the instance fails with this."""
 
 
-Launch = tuple[str, m.StartRunner]  # a node agent's key, and what it is to start
 # generation -> one launch per stage, in stage order; raises LayoutError when there is no room.
 Layout = Callable[[int], list[Launch]]
 
@@ -54,17 +58,13 @@ class InstanceController:
         self.config = config
         self.keys = keys
         self.layout = layout
-        self.kv_budget_bytes = kv_budget_bytes
-        self.kv_bytes_per_token = 0
-        self.state = st.ControllerState(stages=config.stages)
-        st.set_attention_scale(self.state, attn_keys)
-        self.launches: list[Launch] = []  # the current generation's
-        self.term = 0  # the master's term, stamped on commands (node agents obey the highest they saw)
+        # Replaced by each fold (never changed in place), read under _cond by callers.
+        self.state = st.initial(config, attn_keys, keys.instance, kv_budget_bytes, reuse)
         self._on_change = on_change
         self._session = session
         self._cond = threading.Condition()
         self._stopping = False
-        self._adopted: tuple[int, int] | None = None
+        self._adopted = False  # a generation taken over (adopt), not one to launch
         self._inbox = Inbox(session, name="controller")
         self._inbox.subscribe(self.keys.status_any, m.STATUS, "status")
         self._inbox.subscribe(self.keys.reports, m.STATUS, "reports")
@@ -72,6 +72,20 @@ class InstanceController:
         self._updates = Outbox(session, self.keys.updates)
         self._outgoing: list[tuple[Outbox, Any]] = []  # decided under the lock, sent after it
         self._thread = threading.Thread(target=self._run, daemon=True, name="instance-controller")
+
+    @property
+    def term(self) -> int:
+        """The master's term, stamped on commands (node agents obey the highest they saw)."""
+        return self.state.term
+
+    @term.setter
+    def term(self, term: int) -> None:
+        with self._cond:
+            self.state.term = term  # set before start, when nothing else reads the state
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.state.kv_bytes_per_token
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -83,10 +97,10 @@ class InstanceController:
 
     def adopt(self, generation: int, stages: int, agent_keys: list[str], kv_bytes_per_token: int) -> None:
         """Take over a generation that serves already (a new master), instead of launching one."""
-        self._adopted = (generation, stages)
-        self.kv_bytes_per_token = kv_bytes_per_token
-        for key in agent_keys:
-            self._agent(key)
+        self._adopted = True
+        with self._cond:
+            adopt = ev.Adopt(generation, stages, list(agent_keys), kv_bytes_per_token, time.monotonic())
+            self._fold_guarded(adopt, "controller start failed")
         self._thread.start()
 
     def wait_settled(self, timeout: float) -> st.Phase:
@@ -98,9 +112,7 @@ class InstanceController:
     def fault(self, generation: int, why: str, stages: list[int] | None = None) -> None:
         """Someone else saw this generation break (its node left the cluster): recover it."""
         with self._cond:
-            if generation == self.state.generation and self.state.fault is None:
-                self.state.fault = why
-                self.state.fault_stages = list(stages or [])
+            self._fold(ev.Broken(generation, why, list(stages or [])))
 
     def detach(self) -> None:
         """Stop judging and leave every runner as it is: a new master takes the instance over."""
@@ -118,16 +130,17 @@ class InstanceController:
         first: agents obey only the highest master term, so a deposed master stops nothing)."""
         with self._cond:
             self._stopping = True
-            self.state.phase = "stopped"
+            self.state, effects = st.apply(self.state, ev.Retire(grace_s))
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        for e in effects:
+            if isinstance(e, ev.ToAgent):
+                try:
+                    self._agent(e.agent).send(e.message)
+                except Exception:
+                    pass
         for agent in list(self._agents.values()):
-            try:
-                stop = m.StopGeneration(instance=self.keys.instance, keep=-1, grace_s=grace_s, term=self.term)
-                agent.send(stop)
-            except Exception:
-                pass
             agent.close()
         self._updates.close()
         self._inbox.close()
@@ -136,15 +149,8 @@ class InstanceController:
 
     def _run(self) -> None:
         with self._cond:
-            try:
-                if self._adopted is not None:
-                    st.adopt(self.state, *self._adopted, time.monotonic())
-                    self._say(self._serving())
-                else:
-                    self._launch(time.monotonic())
-            except Exception as exc:  # as in _act: an instance must never stay `placed` without a word
-                log.exception("controller start failed")
-                self._give_up(f"controller failed: {type(exc).__name__}: {exc}")
+            if not self._adopted:
+                self._fold_guarded(ev.Begin(time.monotonic()), "controller start failed")
             done = self.state.phase == "failed"
         self._flush()
         self._on_change()  # the first generation (or the reason there is none) is news too
@@ -165,13 +171,8 @@ class InstanceController:
                     envs.append(more)
                 before = (self.state.phase, self.state.generation)
                 for env in envs:
-                    st.apply(self.state, env.message, env.generation, env.received_at)
-                self._cond.notify_all()
-                try:
-                    self._act(time.monotonic())
-                except Exception as exc:  # the controller must never die silently: requests would wait
-                    log.exception("controller step failed")
-                    self._give_up(f"controller failed: {type(exc).__name__}: {exc}")
+                    self._fold(ev.Heard(env.message, env.generation, env.received_at))
+                self._fold_guarded(ev.Clock(time.monotonic(), time.time()), "controller step failed")
                 done = self.state.phase == "failed"
                 changed = before != (self.state.phase, self.state.generation) or bool(envs)
             self._flush()
@@ -180,89 +181,39 @@ class InstanceController:
             if done:
                 return
 
-    def _act(self, now: float) -> None:
-        s = self.state
-        if s.phase == "backoff":
-            if now >= s.retry_at:
-                self._launch(now)
-            return
-        why = st.judge(s, self.config, now)
-        if why is not None:
-            self._on_failure(why, now)
-        elif st.all_ready(s):
-            s.phase = "serving"
-            if s.failures and s.failures[-1].recovered_at is None:
-                s.failures[-1].recovered_at = now
-            self.kv_bytes_per_token = sum(v.ready.kv_bytes_per_token for v in s.views if v.ready is not None)
-            log.info("instance %s generation %d serving", self.keys.instance, s.generation)
-            self._say(self._serving())
-
-    def _serving(self) -> m.Serving:
-        return m.Serving(
-            generation=self.state.generation,
-            term=self.term,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            kv_budget_bytes=self.kv_budget_bytes,
-            kv_block=self.config.prefill_step,
-        )
-
-    def _launch(self, now: float) -> None:
-        gen = st.next_generation(self.state.generation, self.term)
+    def _fold_guarded(self, event: ev.Event, what: str) -> None:
         try:
-            launches = self.layout(gen)
-        except LayoutError as exc:
-            self._give_up(str(exc))
-            return
-        names = [start.spec.name for _, start in launches]
-        st.new_generation(self.state, now, len(launches), self.term, names)
-        self.launches = launches
-        for key, start in launches:
-            self._outgoing.append((self._agent(key), start))
-        if self.reuse:  # after the hand-overs (same outbox, in order): what was not reused stops now
-            for agent in self._agents.values():
-                stop = m.StopGeneration(instance=self.keys.instance, keep=gen, term=self.term)
-                self._outgoing.append((agent, stop))
+            self._fold(event)
+        except Exception as exc:  # the controller must never die silently: requests would wait
+            log.exception(what)
+            self._fold(ev.Abandon(f"controller failed: {type(exc).__name__}: {exc}"))
+
+    def _fold(self, event: ev.Event) -> None:
+        """Under the lock: fold one event in and carry out its effects; a layout asked for is computed here
+        and folded back at once, so no one sees the state between the two."""
+        pending: list[ev.Event] = [event]
+        while pending:
+            self.state, effects = st.apply(self.state, pending.pop(0))
+            for e in effects:
+                if isinstance(e, ev.ToAgent):
+                    self._outgoing.append((self._agent(e.agent), e.message))
+                elif isinstance(e, ev.ToFronts):
+                    self._outgoing.append((self._updates, e.message))
+                elif isinstance(e, ev.Note):
+                    log.log(e.level, "%s", e.text)
+                elif isinstance(e, ev.Lay):
+                    try:
+                        launches = self.layout(e.generation)
+                    except LayoutError as exc:
+                        pending.append(ev.Abandon(str(exc)))
+                    else:
+                        pending.append(ev.LaidOut(e.generation, launches, e.now))
+        self._cond.notify_all()
 
     def _agent(self, key: str) -> Outbox:
         if key not in self._agents:
             self._agents[key] = Outbox(self._session, key, sealed=True)  # agents check who commands
         return self._agents[key]
-
-    def _on_failure(self, why: str, now: float) -> None:
-        s = self.state
-        log.error("instance %s generation %d: %s", self.keys.instance, s.generation, why)
-        pids = [v.pid for v in s.views if v.pid is not None]
-        blamed = st.suspects(s, self.config, now)
-        s.failures.append(st.Failure(why, s.generation, now, time.time(), pids, suspects=blamed))
-        if self.reuse and blamed is not None:
-            for agent in self._agents.values():
-                stop = m.StopGeneration(instance=self.keys.instance, keep=-1, term=self.term, stages=blamed)
-                self._outgoing.append((agent, stop))
-        else:
-            self._stop_all()
-        decision = st.after_failure(s, self.config, why, now)
-        if isinstance(decision, st.GiveUp):
-            self._give_up(decision.why)
-            return
-        s.phase = "backoff"
-        s.retry_at = now + decision.backoff_s
-        self._say(m.Recovering(generation=s.generation, why=why, term=self.term))
-
-    def _give_up(self, why: str) -> None:
-        log.error("instance %s failed: %s", self.keys.instance, why)
-        self.state.phase = "failed"
-        self.state.failure = why
-        self._stop_all()
-        self._say(m.InstanceFailed(why=why, term=self.term))
-        self._cond.notify_all()
-
-    def _stop_all(self) -> None:
-        for agent in self._agents.values():
-            stop = m.StopGeneration(instance=self.keys.instance, keep=-1, term=self.term)
-            self._outgoing.append((agent, stop))
-
-    def _say(self, message: Any) -> None:
-        self._outgoing.append((self._updates, message))
 
     def _flush(self) -> None:
         """Send what was decided, outside the lock: judging never waits on the network."""

@@ -1,14 +1,19 @@
-"""The instance controller's state, folded from what it hears, and its decisions as pure functions.
+"""The instance controller as a pure fold: `apply(state, event) -> (state, effects)`.
 
-`apply` folds one message into the state; `judge` says why the current generation can no longer be
-trusted; `after_failure` decides between another generation (after a backoff) and giving up. The shell in
-controller.py only turns these into messages.
+Like cluster/master_state.py, this holds no thread, lock, clock or socket, and never changes a state it is
+given: it returns a new one (containers copied, the items in them replaced, never changed in place). The
+events (controller/events.py, with the effects) are what the controller hears: a runner's status, time
+passing, a layout, another role's fault. The effects are what the shell in controller/controller.py
+carries out: commands to node agents, announcements to the instance's fronts, a layout to compute and
+fold back, log lines. `judge` says why the current generation can no longer be trusted and
+`after_failure` decides between another generation (after a backoff) and giving up.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import Field
@@ -17,6 +22,23 @@ from shardline.dataplane import messages as m
 from shardline.dataplane.diagnostics import Diagnostic
 from shardline.instance.deadline import Speed
 from shardline.instance.settings import InstanceSettings
+
+from .events import (
+    Abandon,
+    Adopt,
+    Begin,
+    Broken,
+    Clock,
+    Effect,
+    Event,
+    Heard,
+    LaidOut,
+    Lay,
+    Note,
+    Retire,
+    ToAgent,
+    ToFronts,
+)
 
 Phase = Literal["idle", "starting", "serving", "backoff", "failed", "stopped"]
 
@@ -31,7 +53,7 @@ class ControllerConfig(InstanceSettings):
         return cls(stages=stages, **settings.settings_fields())
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageView:
     """One runner of the current generation, as last heard (times are arrival times, monotonic)."""
 
@@ -49,7 +71,7 @@ class StageView:
     progress_at: float = 0.0  # last sign of bring-up progress (weights copied, runner loading)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Failure:
     """One failure and what it cost: when it was detected and when the rebuilt instance was serving again."""
 
@@ -66,9 +88,15 @@ class Failure:
 @dataclass
 class ControllerState:
     """What an instance controller knows of its instance: the current generation, its runners as last heard,
-    and the failures so far."""
+    and the failures so far. The fold returns a new one for each event; before the first, its owner may set
+    where the next generation starts from (a new master's `generation`, the failure it inherits)."""
 
     stages: int
+    config: ControllerConfig = field(default_factory=ControllerConfig)
+    instance: str = ""  # named in the commands to node agents
+    term: int = 0  # the master's term, stamped on commands (node agents obey the highest they saw)
+    kv_budget_bytes: int = 0  # announced to the fronts with Serving
+    reuse: bool = False  # after a failure, stop only the blamed stages (the layout may reuse the others)
     generation: int = -1
     phase: Phase = "idle"
     started_at: float = 0.0  # bring-up of the current generation
@@ -82,11 +110,43 @@ class ControllerState:
     failure: str | None = None  # why the instance gave up
     names: list[str] = field(default_factory=list)  # how judgements name each runner (groups: stage, member)
     dropped: int = 0  # frames of other generations, unknown stages
+    kv_bytes_per_token: int = 0  # of the serving generation, over all its runners
+    agents: list[str] = field(default_factory=list)  # every node agent this instance ever used, by key
 
     def __post_init__(self) -> None:
         if not self.speeds:
             self.speeds = [Speed() for _ in range(self.stages)]
 
+
+def initial(
+    config: ControllerConfig,
+    attn_keys: int,
+    instance: str = "",
+    kv_budget_bytes: int = 0,
+    reuse: bool = False,
+) -> ControllerState:
+    """A controller's state before its first generation; attn_keys seeds every stage's speed."""
+    speeds = [Speed(attn_keys=attn_keys) for _ in range(config.stages)]
+    return ControllerState(
+        config.stages, config, instance, kv_budget_bytes=kv_budget_bytes, reuse=reuse, speeds=speeds
+    )
+
+
+def _copy(state: ControllerState) -> ControllerState:
+    """A state the fold may change: new containers, the same (never changed in place) items."""
+    return replace(
+        state,
+        views=list(state.views),
+        speeds=list(state.speeds),
+        failures=list(state.failures),
+        fault_stages=list(state.fault_stages),
+        witnesses=list(state.witnesses),
+        names=list(state.names),
+        agents=list(state.agents),
+    )
+
+
+# ---- generations -----------------------------------------------------------------------------------------
 
 GENERATION_BITS = 20  # a generation id is (master term << 20) | count: the term is part of its keys
 
@@ -115,34 +175,27 @@ def new_generation(
     stages: int | None = None,
     term: int = 0,
     names: list[str] | None = None,
-) -> None:
+) -> ControllerState:
     """A new generation of `stages` runners (a re-placement may change their number), named `names` where
     given (a tensor-parallel member is "stage 0 member 1 (runner 2)"), "stage k" otherwise."""
-    if stages is not None and stages != state.stages:
-        state.stages = stages
-        state.speeds = [Speed(attn_keys=state.speeds[0].attn_keys) for _ in range(stages)]
-    state.generation = next_generation(state.generation, term)
-    state.phase = "starting"
-    state.started_at = now
-    state.fault = None
-    state.fault_stages = []
-    state.witnesses = []
-    state.views = [StageView() for _ in range(state.stages)]
-    state.names = list(names) if names is not None and len(names) == state.stages else []
+    s = _copy(state)
+    if stages is not None and stages != s.stages:
+        s.stages = stages
+        s.speeds = [Speed(attn_keys=s.speeds[0].attn_keys) for _ in range(stages)]
+    s.generation = next_generation(s.generation, term)
+    s.phase = "starting"
+    s.started_at = now
+    s.fault = None
+    s.fault_stages = []
+    s.witnesses = []
+    s.views = [StageView() for _ in range(s.stages)]
+    s.names = list(names) if names is not None and len(names) == s.stages else []
+    return s
 
 
 def runner_label(state: ControllerState, slot: int) -> str:
     """How judgements name runner `slot`: "stage k", or a group member's stage, place and slot."""
     return state.names[slot] if slot < len(state.names) else f"stage {slot}"
-
-
-def adopt(state: ControllerState, generation: int, stages: int, now: float) -> None:
-    """Take over a generation that serves already (a new master): heartbeats judge it from now on."""
-    new_generation(state, now, stages)
-    state.generation = generation  # the id it was launched with, whichever term that was
-    state.phase = "serving"
-    for v in state.views:
-        v.alive, v.last_heard = True, now
 
 
 def stage_phase(view: StageView) -> str:
@@ -156,75 +209,187 @@ def stage_phase(view: StageView) -> str:
     return "starting" if view.pid is not None else "placed"
 
 
-def apply(state: ControllerState, msg: Any, generation: int, received_at: float) -> None:
+# ---- the fold --------------------------------------------------------------------------------------------
+
+
+def apply(state: ControllerState, event: Event) -> tuple[ControllerState, list[Effect]]:
+    """Fold one event in: the new state, and what the shell is to do about it, in order."""
+    effects: list[Effect] = []
+    if isinstance(event, Heard):
+        return _heard(state, event.message, event.generation, event.received_at), effects
+    s = _copy(state)
+    if isinstance(event, Clock):
+        _clock(s, event.now, event.wall, effects)
+    elif isinstance(event, Begin):
+        effects.append(Lay(next_generation(s.generation, s.term), event.now))
+    elif isinstance(event, LaidOut):
+        names = [start.spec.name for _, start in event.launches]
+        s = new_generation(s, event.now, len(event.launches), s.term, names)
+        for key, start in event.launches:
+            _use(s, key)
+            effects.append(ToAgent(key, start))
+        if s.reuse:  # after the hand-overs (same outbox, in order): what was not reused stops now
+            effects += [
+                ToAgent(key, m.StopGeneration(instance=s.instance, keep=event.generation, term=s.term))
+                for key in s.agents
+            ]
+    elif isinstance(event, Adopt):
+        for key in event.agents:
+            _use(s, key)
+        s.kv_bytes_per_token = event.kv_bytes_per_token
+        s = new_generation(s, event.now, event.stages)
+        s.generation = event.generation  # the id it was launched with, whichever term that was
+        s.phase = "serving"
+        s.views = [replace(v, alive=True, last_heard=event.now) for v in s.views]
+        effects.append(ToFronts(_serving(s)))
+    elif isinstance(event, Broken):
+        if event.generation == s.generation and s.fault is None:
+            s.fault = event.why
+            s.fault_stages = list(event.stages)
+    elif isinstance(event, Abandon):
+        _give_up(s, event.why, effects)
+    elif isinstance(event, Retire):
+        s.phase = "stopped"
+        effects += [
+            ToAgent(key, m.StopGeneration(instance=s.instance, keep=-1, grace_s=event.grace_s, term=s.term))
+            for key in s.agents
+        ]
+    return s, effects
+
+
+def _use(state: ControllerState, agent: str) -> None:
+    if agent not in state.agents:
+        state.agents.append(agent)
+
+
+def _heard(state: ControllerState, msg: Any, generation: int, received_at: float) -> ControllerState:
     """Fold one status message in. Messages of another generation or stage are counted and dropped."""
     gen = getattr(msg, "generation", None)
     gen = generation if gen is None else gen
     stage = getattr(msg, "stage", None)
+    s = _copy(state)
     if isinstance(msg, m.Resubmitted):
-        if gen == state.generation and state.failures:
-            state.failures[-1].requests_resumed = msg.requests
-        return
-    if gen != state.generation or (stage is not None and not 0 <= stage < len(state.views)):
-        state.dropped += 1
-        return
+        if gen == s.generation and s.failures:
+            s.failures[-1] = replace(s.failures[-1], requests_resumed=msg.requests)
+        return s
+    if gen != s.generation or (stage is not None and not 0 <= stage < len(s.views)):
+        s.dropped += 1
+        return s
     if isinstance(msg, m.GenerationFault):
-        state.fault = state.fault or f"lost message: {msg.why}"
-        return
+        s.fault = s.fault or f"lost message: {msg.why}"
+        return s
     if isinstance(msg, m.PeerLost):
-        if 0 <= msg.peer < len(state.views):
-            if state.fault is None:
-                lost, seen = runner_label(state, msg.peer), runner_label(state, msg.stage)
-                state.fault = f"{lost} vanished: {seen} lost its link to it"
-            if msg.peer not in state.fault_stages:
-                state.fault_stages.append(msg.peer)
+        if 0 <= msg.peer < len(s.views):
+            if s.fault is None:
+                lost, seen = runner_label(s, msg.peer), runner_label(s, msg.stage)
+                s.fault = f"{lost} vanished: {seen} lost its link to it"
+            if msg.peer not in s.fault_stages:
+                s.fault_stages.append(msg.peer)
             # A runner that lost its peer may fail next, of that loss: it is a witness, not a suspect (even
             # when the loss was known already, from its node leaving the cluster).
-            if msg.stage not in state.witnesses and msg.stage != msg.peer:
-                state.witnesses.append(msg.stage)
-        return
+            if msg.stage not in s.witnesses and msg.stage != msg.peer:
+                s.witnesses.append(msg.stage)
+        return s
     assert stage is not None
-    view = state.views[stage]
+    view = s.views[stage]
     if isinstance(msg, m.RunnerStarted):
-        view.pid = msg.pid
-        return
+        s.views[stage] = replace(view, pid=msg.pid)
+        return s
     if isinstance(msg, m.RunnerExited):
-        view.exited = msg
-        return
+        s.views[stage] = replace(view, exited=msg)
+        return s
     if isinstance(msg, m.RunnerStopped):
-        view.stopped = True
-        return
+        s.views[stage] = replace(view, stopped=True)
+        return s
     if isinstance(msg, m.RunnerDiagnostic):
-        view.fatal = view.fatal or msg.diagnostic
-        return
+        s.views[stage] = replace(view, fatal=view.fatal or msg.diagnostic)
+        return s
     if isinstance(msg, m.WeightsProgress):
-        view.weights = msg
-        view.progress_at = max(view.progress_at, received_at)
-        return
+        s.views[stage] = replace(view, weights=msg, progress_at=max(view.progress_at, received_at))
+        return s
     # From the runner itself: it is alive, and this is when we last heard it.
-    view.alive = True
-    view.last_heard = max(view.last_heard, received_at)
-    speed = state.speeds[stage]
+    view = replace(view, alive=True, last_heard=max(view.last_heard, received_at))
+    speed = replace(s.speeds[stage])  # observed on a copy: the state given is never changed
     if isinstance(msg, m.Loading):
-        view.pid = msg.pid
-        view.progress_at = max(view.progress_at, received_at)  # weights in place: the load itself starts
+        # weights in place: the load itself starts
+        view = replace(view, pid=msg.pid, progress_at=max(view.progress_at, received_at))
     elif isinstance(msg, m.Ready):
-        view.ready = msg
+        view = replace(view, ready=msg)
         for t in msg.warmup:
             speed.observe(t.n, t.context, t.seconds)
     elif isinstance(msg, m.Heartbeat):
-        view.heartbeat = msg
-        view.heartbeat_at = received_at
+        view = replace(view, heartbeat=msg, heartbeat_at=received_at)
         if msg.last_step is not None:
             t = msg.last_step
             speed.observe(t.n, t.context, t.seconds, t.reserve)
     elif isinstance(msg, m.RunnerFailed):
-        view.failed = view.failed or msg
+        view = replace(view, failed=view.failed or msg)
+    s.views[stage] = view
+    s.speeds[stage] = speed
+    return s
 
 
-def set_attention_scale(state: ControllerState, attn_keys: int) -> None:
-    for s in state.speeds:
-        s.attn_keys = attn_keys
+def _clock(s: ControllerState, now: float, wall: float, effects: list[Effect]) -> None:
+    if s.phase == "backoff":
+        if now >= s.retry_at:
+            effects.append(Lay(next_generation(s.generation, s.term), now))
+        return
+    why = judge(s, now)
+    if why is not None:
+        _on_failure(s, why, now, wall, effects)
+    elif all_ready(s):
+        s.phase = "serving"
+        if s.failures and s.failures[-1].recovered_at is None:
+            s.failures[-1] = replace(s.failures[-1], recovered_at=now)
+        s.kv_bytes_per_token = sum(v.ready.kv_bytes_per_token for v in s.views if v.ready is not None)
+        effects.append(Note(logging.INFO, f"instance {s.instance} generation {s.generation} serving"))
+        effects.append(ToFronts(_serving(s)))
+
+
+def _serving(s: ControllerState) -> m.Serving:
+    return m.Serving(
+        generation=s.generation,
+        term=s.term,
+        kv_bytes_per_token=s.kv_bytes_per_token,
+        kv_budget_bytes=s.kv_budget_bytes,
+        kv_block=s.config.prefill_step,
+    )
+
+
+def _on_failure(s: ControllerState, why: str, now: float, wall: float, effects: list[Effect]) -> None:
+    effects.append(Note(logging.ERROR, f"instance {s.instance} generation {s.generation}: {why}"))
+    pids = [v.pid for v in s.views if v.pid is not None]
+    blamed = suspects(s, now)
+    s.failures.append(Failure(why, s.generation, now, wall, pids, suspects=blamed))
+    if s.reuse and blamed is not None:
+        effects += [
+            ToAgent(key, m.StopGeneration(instance=s.instance, keep=-1, term=s.term, stages=blamed))
+            for key in s.agents
+        ]
+    else:
+        _stop_all(s, effects)
+    decision = after_failure(s, why, now)
+    if isinstance(decision, GiveUp):
+        _give_up(s, decision.why, effects)
+        return
+    s.phase = "backoff"
+    s.retry_at = now + decision.backoff_s
+    effects.append(ToFronts(m.Recovering(generation=s.generation, why=why, term=s.term)))
+
+
+def _give_up(s: ControllerState, why: str, effects: list[Effect]) -> None:
+    effects.append(Note(logging.ERROR, f"instance {s.instance} failed: {why}"))
+    s.phase = "failed"
+    s.failure = why
+    _stop_all(s, effects)
+    effects.append(ToFronts(m.InstanceFailed(why=why, term=s.term)))
+
+
+def _stop_all(s: ControllerState, effects: list[Effect]) -> None:
+    effects += [ToAgent(key, m.StopGeneration(instance=s.instance, keep=-1, term=s.term)) for key in s.agents]
+
+
+# ---- judgement and the restart budget ----------------------------------------------------------------------
 
 
 def _exit_text(e: m.RunnerExited) -> str:
@@ -238,7 +403,8 @@ def _exit_text(e: m.RunnerExited) -> str:
     return f"{how}: {' | '.join(e.log_tail) or '(no output)'}"
 
 
-def _stage_problem(state: ControllerState, cfg: ControllerConfig, now: float, stage: int) -> str | None:
+def _stage_problem(state: ControllerState, now: float, stage: int) -> str | None:
+    cfg = state.config
     v = state.views[stage]
     name = runner_label(state, stage)
     if v.failed is not None:
@@ -266,27 +432,28 @@ def _stage_problem(state: ControllerState, cfg: ControllerConfig, now: float, st
     return None
 
 
-def suspects(state: ControllerState, cfg: ControllerConfig, now: float) -> list[int] | None:
+def suspects(state: ControllerState, now: float) -> list[int] | None:
     """The stages a failure blames; None when it blames no stage in particular (all are suspect)."""
-    bad = {k for k in range(len(state.views)) if _stage_problem(state, cfg, now, k) is not None}
+    bad = {k for k in range(len(state.views)) if _stage_problem(state, now, k) is not None}
     return sorted((bad - set(state.witnesses)) | set(state.fault_stages)) or None
 
 
-def judge(state: ControllerState, cfg: ControllerConfig, now: float) -> str | None:
+def judge(state: ControllerState, now: float) -> str | None:
     """Why this generation can no longer be trusted, naming the stage; None while it is healthy."""
     if state.phase not in ("starting", "serving"):
         return None
     for stage in range(len(state.views)):
-        if (problem := _stage_problem(state, cfg, now, stage)) is not None:
+        if (problem := _stage_problem(state, now, stage)) is not None:
             return problem
     if state.fault is not None:
         return state.fault
     if state.phase == "starting":
         # Bring-up is judged from its last sign of progress: copying a large stage is slow, not dead.
         last = max([state.started_at, *(v.progress_at for v in state.views if v.ready is None)])
-        if now - last > cfg.load_timeout:
+        load_timeout = state.config.load_timeout
+        if now - last > load_timeout:
             waiting = [s for s, v in enumerate(state.views) if v.ready is None]
-            return f"stages {waiting} made no progress towards ready for {cfg.load_timeout:.0f}s"
+            return f"stages {waiting} made no progress towards ready for {load_timeout:.0f}s"
     return None
 
 
@@ -308,8 +475,9 @@ class GiveUp:
     why: str
 
 
-def after_failure(state: ControllerState, cfg: ControllerConfig, why: str, now: float) -> Retry | GiveUp:
+def after_failure(state: ControllerState, why: str, now: float) -> Retry | GiveUp:
     """Another generation after an exponential backoff, until the restart budget is spent."""
+    cfg = state.config
     recent = recent_failures(state.failures, now, cfg.restart_window_s)
     if len(recent) > cfg.max_restarts:
         return GiveUp(f"{why} (gave up after {len(recent)} failures in {cfg.restart_window_s:.0f}s)")

@@ -24,6 +24,7 @@ from shardline.dataplane.transport import Inbox, Keys, Outbox, open_session
 from shardline.front import front as front_module
 from shardline.front.front import Front, ModelLimits
 from shardline.front.request import RequestDeadlineError
+from shardline.instance.deadline import DeadlinePolicy
 from shardline.runner.leader import Leader
 
 BLOCK = 8  # positions per KV block (the prefill step)
@@ -57,7 +58,7 @@ def compute(step: m.Step, x: Any) -> tuple[m.StepResult, None]:
 def stand_in_leader(
     budget_blocks: int, max_waiting: int = 16, session: Any = None, keys: Any = None
 ) -> Leader:
-    spec = stub_leader_spec(
+    spec: Any = stub_leader_spec(
         kv_budget_bytes=budget_blocks * BLOCK * TOKEN_BYTES,
         max_waiting=max_waiting,
         prefill_step=BLOCK,
@@ -65,23 +66,26 @@ def stand_in_leader(
         max_batch=4,
         generation=1,
     )
-    stage = SimpleNamespace(
+    stage: Any = SimpleNamespace(
         kv_bytes_per_token=TOKEN_BYTES, release=lambda rid: None, evict=lambda blocks: None, steps=0
     )
-    runner = SimpleNamespace(
-        spec=spec,
-        mirrored=stage,
-        speed=SimpleNamespace(attn_keys=0),
-        events=Events(),
-        inbox=SimpleNamespace(drop=lambda why: None, get_nowait=lambda: None),
-        downstream=None,
+    inbox: Any = SimpleNamespace(drop=lambda why: None, get_nowait=lambda: None)
+    events: Any = Events()
+    faults: Any = SimpleNamespace(take_drop=lambda *a: False)
+    return Leader(
+        spec,
+        stage,
+        compute,
+        inbox,
+        None,
+        events,
+        policy=DeadlinePolicy(),
+        faults=faults,
         received={},
-        compute=compute,
-        faults=SimpleNamespace(take_drop=lambda *a: False),
-        session=session,
-        keys=keys,
+        open_reply=None
+        if session is None
+        else lambda front: Outbox(session, keys.reply(front), spec.generation),
     )
-    return Leader(runner)  # type: ignore[arg-type]
 
 
 def submit(leader: Leader, rid: str, prompt: int, max_tokens: int, seq: int, resubmit: bool = False) -> None:
@@ -96,7 +100,7 @@ def test_requests_without_a_real_need_for_max_tokens_all_run_and_kv_stays_within
     leader = stand_in_leader(budget_blocks=8)
     for i in range(4):
         submit(leader, f"r{i}", prompt=5, max_tokens=20, seq=i + 1)
-    events = leader.r.events.sent
+    events = leader.events.sent
     assert not [e for e in events if isinstance(e, m.RequestFailed)]
     assert len(leader.requests) == 4 and not leader.waiting  # all four run at once
     budget = leader.spec.kv_budget_bytes
@@ -133,7 +137,7 @@ def test_a_request_alone_that_outgrows_the_budget_ends_there() -> None:
         leader.act()
         if not leader.requests:
             break
-    events = leader.r.events.sent
+    events = leader.events.sent
     ends = [e for e in events if isinstance(e, m.Finished)]
     # Two blocks hold 16 positions: the prompt's 5 and 11 tokens, from which a 12th is sampled.
     assert [(e.reason, e.tokens) for e in ends] == [("length", 12)]
@@ -147,7 +151,7 @@ def test_a_cancel_while_preempted_ends_the_request() -> None:
     leader.preempt("b")  # as when "a" needs b's block (its steps in flight not back yet)
     leader.handle(SimpleNamespace(message=m.Cancel(front="f1", seq=3, request_id="b")))
     leader.act()
-    events = leader.r.events.sent
+    events = leader.events.sent
     ends = [(e.request_id, e.reason) for e in events if isinstance(e, m.Finished)]
     assert ends == [("b", "cancelled"), ("a", "length")]  # b ended once, and never ran again
     assert not leader.waiting and not leader.held
@@ -159,10 +163,10 @@ def test_a_resubmission_is_never_refused_for_a_full_queue() -> None:
     submit(leader, "run", prompt=5, max_tokens=4, seq=1)
     submit(leader, "wait", prompt=5, max_tokens=4, seq=2)
     submit(leader, "new", prompt=5, max_tokens=4, seq=3)
-    failed = [e.request_id for e in leader.r.events.sent if isinstance(e, m.RequestFailed)]
+    failed = [e.request_id for e in leader.events.sent if isinstance(e, m.RequestFailed)]
     assert failed == ["new"]  # a new request beyond the queue is refused
     submit(leader, "old", prompt=5, max_tokens=4, seq=4, resubmit=True)
-    failed = [e.request_id for e in leader.r.events.sent if isinstance(e, m.RequestFailed)]
+    failed = [e.request_id for e in leader.events.sent if isinstance(e, m.RequestFailed)]
     assert failed == ["new"] and [s.request_id for s in leader.waiting] == ["wait", "old"]
 
 
@@ -198,7 +202,7 @@ def test_a_leader_sends_a_requests_events_to_its_own_front_only() -> None:
             own = f1[-1].message  # f1's own beat, behind the ends it follows: what the leader holds of f1's
             assert own.seen == {"f1": 1} and own.requests == []
             # Only the beat goes to every front; no other front hears a thing.
-            assert [type(e) for e in leader.r.events.sent] == [m.LeaderBeat]
+            assert [type(e) for e in leader.events.sent] == [m.LeaderBeat]
             assert heard["f2"].get_nowait() is None and heard["f1"].get_nowait() is None
         finally:
             for out in leader.replies.values():

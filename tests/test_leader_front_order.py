@@ -12,12 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from conftest import stub_leader_spec, wait_for
 
 from shardline.dataplane import messages as m
+from shardline.instance.deadline import DeadlinePolicy
+from shardline.runner.faults import Faults
 from shardline.runner.leader import Leader
 
 
@@ -31,17 +33,21 @@ class Events:
 
 def stub_leader() -> tuple[Leader, Events]:
     events = Events()
-    spec = stub_leader_spec(prefix_cache=True)
-    runner = SimpleNamespace(
-        spec=spec,
-        mirrored=SimpleNamespace(kv_bytes_per_token=8),
-        speed=SimpleNamespace(attn_keys=0),
-        events=events,
-        inbox=SimpleNamespace(drop=lambda why: None),
-        downstream=None,
+    spec: Any = stub_leader_spec(prefix_cache=True)
+    stage: Any = SimpleNamespace(kv_bytes_per_token=8)
+    inbox: Any = SimpleNamespace(drop=lambda why: None)
+    leader = Leader(
+        spec,
+        stage,
+        lambda step, x: (step, None),
+        inbox,
+        None,
+        cast(Any, events),
+        policy=DeadlinePolicy(),
+        faults=Faults(None),
         received={},
     )
-    return Leader(runner), events  # type: ignore[arg-type]
+    return leader, events
 
 
 def lost_by_beats(leader: Leader, events: Events, submit: m.Submit) -> list[int]:

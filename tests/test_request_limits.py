@@ -71,24 +71,19 @@ class Ring:
 
 
 def stub_leader(ring: Ring, max_batch: int) -> Leader:
-    spec = stub_leader_spec(
+    spec: Any = stub_leader_spec(
         max_batch=max_batch, in_flight_window=2, watchdog_factor=3.0, load_timeout=10.0, generation=1
     )
-    runner = SimpleNamespace(
-        spec=spec,
-        mirrored=SimpleNamespace(
-            kv_bytes_per_token=8, steps=0, release=lambda rid: None, evict=lambda b: None
-        ),
-        speed=SimpleNamespace(attn_keys=0),
-        events=ring,
-        inbox=SimpleNamespace(drop=lambda why: None, get_nowait=lambda: None),
-        downstream=None,
-        received={},
-        faults=SimpleNamespace(take_drop=lambda *a: False),
-        policy=SimpleNamespace(clamp=lambda s: s),
-        compute=ring.compute,
+    stage: Any = SimpleNamespace(
+        kv_bytes_per_token=8, steps=0, release=lambda rid: None, evict=lambda b: None
     )
-    ring.leader = Leader(runner)  # type: ignore[arg-type]
+    inbox: Any = SimpleNamespace(drop=lambda why: None, get_nowait=lambda: None)
+    policy: Any = SimpleNamespace(clamp=lambda s: s)
+    faults: Any = SimpleNamespace(take_drop=lambda *a: False)
+    events: Any = ring
+    ring.leader = Leader(
+        spec, stage, ring.compute, inbox, None, events, policy=policy, faults=faults, received={}
+    )
     return ring.leader
 
 

@@ -9,11 +9,17 @@ import sys
 import threading
 import time
 
+from shardline.dataplane.messages import Step
 from shardline.instance.spec import Fault
 
 RING_ABORT_LINE = "[ring] Too many send/recv errors. Aborting..."
 PHASES = ("load", "warmup", "prefill", "decode")
 _ONE_SHOT = ("raise", "exit", "hang", "ring_abort", "sigkill", "sigstop")
+
+
+def step_phase(step: Step) -> str:
+    """The phase a step's faults fire at: one new position of one request, or rows, is a decode step."""
+    return "decode" if step.rows or (step.n == 1 and step.pos > 0) else "prefill"
 
 
 class InjectedFault(RuntimeError):

@@ -7,8 +7,9 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -17,7 +18,7 @@ from shardline.compute.kv import round_up
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import tensor_meta
-from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Keys, Outbox
+from shardline.dataplane.transport import DeadlineExceeded, Envelope, Inbox, Outbox
 from shardline.instance.deadline import DeadlinePolicy, Speed
 from shardline.instance.spec import RunnerSpec
 from shardline.runner import schedule
@@ -26,7 +27,7 @@ from shardline.runner.faults import Faults
 from shardline.runner.prefix import PrefixLedger
 from shardline.runner.row_costs import RowCosts
 from shardline.runner.signals import RejoinRequested, StopRunner
-from shardline.runner.stage import WARMUP_ID, ProtocolError, Stage
+from shardline.runner.stage import WARMUP_ID, Compute, ProtocolError, Stage
 
 TOKEN_FIELDS = {"token", "logprob", "top_logprobs"}
 log = logging.getLogger("shardline.leader")
@@ -50,30 +51,42 @@ class InFlight:
     grace: float = 0.0
 
 
-class StageHost(Protocol):
-    """What the leader uses of its stage's runner process (runner/process.py), without importing it."""
-
-    spec: RunnerSpec
-    mirrored: Stage | None  # its stage, or on a tensor-parallel face the mirror that tells the members
-    inbox: Inbox
-    downstream: Outbox | None
-    events: Outbox | None
-    faults: Faults
-    policy: DeadlinePolicy
-    received: dict[str, int]  # front -> newest control seq that reached the process (set on arrival)
-    # Where each front's events go (keys.reply); a stand-in without a session answers on `events`.
-    session: Any
-    keys: Keys
-
-    def compute(self, step: m.Step, x: Any) -> tuple[Any, Any]: ...
-
-
 class Leader:
-    def __init__(self, runner: StageHost) -> None:
-        self.r = runner
-        self.spec = runner.spec
-        assert runner.mirrored is not None
-        self.stage = runner.mirrored
+    """The instance's one decision-maker, on stage 0's face: it admits requests, plans each step, sends it
+    through its own stage and down the ring, and turns the results that come back into each front's events.
+
+    It is handed what it uses, not the runner process (runner/process.py): its inbox (control and ring
+    results), its stage (the stage itself, or on a tensor-parallel face its mirror), `compute` (one step
+    through the stage, timed and watched), the outbox to stage 1 (None on a ring of one stage), the events
+    outbox every front hears, and `open_reply` for a front's own events key (None: all go on `events`).
+    `received` is the process's count of what reached it from each front, updated as messages arrive.
+    """
+
+    def __init__(
+        self,
+        spec: RunnerSpec,
+        stage: Stage,
+        compute: Compute,
+        inbox: Inbox,
+        downstream: Outbox | None,
+        events: Outbox,
+        *,
+        policy: DeadlinePolicy,
+        faults: Faults,
+        received: Mapping[str, int],
+        attn_keys: int = 0,
+        open_reply: Callable[[str], Outbox] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.stage = stage
+        self.compute = compute
+        self.inbox = inbox
+        self.downstream = downstream
+        self.events = events
+        self.policy = policy
+        self.faults = faults
+        self.received = received
+        self.open_reply = open_reply
         self.requests: dict[str, schedule.LeaderRequest] = {}  # admitted
         self.waiting: deque[m.RequestSpec] = deque()  # KV does not fit yet: strict FIFO
         # KV is reserved as it is used: each running request's reservation covers this many positions, and
@@ -91,7 +104,7 @@ class Leader:
         # from `waiting` to `requests` without ever leaving this, so no beat can catch it in neither.
         self.held: dict[str, None] = {}
         self.early: list[Envelope] = []  # control messages that arrived during warm-up
-        self.stage_speed = [Speed(attn_keys=runner.speed.attn_keys) for _ in range(self.spec.stages)]
+        self.stage_speed = [Speed(attn_keys=attn_keys) for _ in range(self.spec.stages)]
         self.row_costs = RowCosts.for_stages(self.spec.stages)
         self.batch_rates = BatchRates()
         own_layers = self.spec.layer_end - self.spec.layer_start
@@ -132,18 +145,18 @@ class Leader:
                 prime=m.Prime(sampling=SamplingParams()) if pos == 0 else None,
                 reserve=total + 1 if pos == 0 else 0,
             )
-            out, tensor = self.r.compute(step, mx.array([prompt[pos : pos + n]], dtype=mx.int32))
-            if self.r.downstream is None:
+            out, tensor = self.compute(step, mx.array([prompt[pos : pos + n]], dtype=mx.int32))
+            if self.downstream is None:
                 self._observe(step, out.trace)
                 continue
-            self.r.downstream.send(out, tensor)
+            self.downstream.send(out, tensor)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded(
                         f"warm-up step did not come around the ring within {self.spec.load_timeout:.0f}s"
                     )
-                env = self.r.inbox.get(timeout=left)
+                env = self.inbox.get(timeout=left)
                 msg = env.message
                 if isinstance(msg, m.StepResult) and msg.seq == self.seq:
                     if msg.head:
@@ -155,10 +168,10 @@ class Leader:
                     continue
                 if isinstance(msg, m.Rejoin):
                     raise RejoinRequested(msg.spec)
-                self.r.inbox.drop(f"{msg.kind} during ring warm-up")
+                self.inbox.drop(f"{msg.kind} during ring warm-up")
         self.stage.release(WARMUP_ID)
-        if self.r.downstream is not None:
-            self.r.downstream.send(m.Release(request_id=WARMUP_ID))
+        if self.downstream is not None:
+            self.downstream.send(m.Release(request_id=WARMUP_ID))
 
     def _observe(self, step: m.Step | InFlight, trace: list[float]) -> None:
         if len(trace) != self.spec.stages:
@@ -175,7 +188,7 @@ class Leader:
             s.estimate(f.n, f.context, f.reserve) for f in self.in_flight.values() for s in self.stage_speed
         )
         factor = max(3.0, self.spec.watchdog_factor + 1.0)
-        return factor * self.r.policy.clamp(estimate) + sum(f.grace for f in self.in_flight.values())
+        return factor * self.policy.clamp(estimate) + sum(f.grace for f in self.in_flight.values())
 
     # ---- loop -------------------------------------------------------------------------------------------
 
@@ -189,7 +202,7 @@ class Leader:
                 allowed = self.result_timeout()
                 timeout = max(0.0, self.last_progress + allowed - time.monotonic())
             try:
-                env = self.r.inbox.get(timeout=timeout)
+                env = self.inbox.get(timeout=timeout)
             except DeadlineExceeded:
                 oldest = next(iter(self.in_flight))
                 raise DeadlineExceeded(
@@ -202,7 +215,7 @@ class Leader:
 
     def drain(self) -> None:
         # Take in what already arrived before deciding, so decisions see every result and cancel.
-        while (more := self.r.inbox.get_nowait()) is not None:
+        while (more := self.inbox.get_nowait()) is not None:
             self.handle(more)
 
     def act(self) -> None:
@@ -248,9 +261,7 @@ class Leader:
         if isinstance(msg, m.Submit | m.Cancel):
             if isinstance(msg, m.Submit):
                 if not FRONT_NAME.fullmatch(msg.front):
-                    self.r.inbox.drop(
-                        f"submit from a front named {msg.front[:40]!r}, which no key can answer"
-                    )
+                    self.inbox.drop(f"submit from a front named {msg.front[:40]!r}, which no key can answer")
                     return
                 if msg.request.request_id not in self.held:
                     self.front_of[msg.request.request_id] = msg.front
@@ -264,19 +275,19 @@ class Leader:
         if isinstance(msg, m.Rejoin):
             raise RejoinRequested(msg.spec)
         elif isinstance(msg, m.Shutdown):
-            self.r.stop_group()
-            if self.r.downstream is not None:
-                self.r.downstream.send(m.Stop())
+            self.stage.stop()
+            if self.downstream is not None:
+                self.downstream.send(m.Stop())
             raise StopRunner
         elif isinstance(msg, m.StepResult):
             self.on_result(msg, env)
         else:
-            self.r.inbox.drop(f"leader does not take {msg.kind} messages")
+            self.inbox.drop(f"leader does not take {msg.kind} messages")
 
     def on_submit(self, spec: m.RequestSpec, resubmit: bool = False) -> None:
         rid = spec.request_id
         if rid in self.held or rid == WARMUP_ID:
-            self.r.inbox.drop(f"duplicate submit of {rid}")  # a front's resend: the first one stands
+            self.inbox.drop(f"duplicate submit of {rid}")  # a front's resend: the first one stands
             return
         need = self.reservation(spec)
         budget = self.spec.kv_budget_bytes
@@ -422,16 +433,16 @@ class Leader:
             self.last_progress = flight.sent_at
             flight.alone = True
         self.in_flight[self.seq] = flight
-        out, tensor = self.r.compute(msg, mx.array(tokens, dtype=mx.int32))
-        if self.r.downstream is None:  # a single stage is its own last stage
+        out, tensor = self.compute(msg, mx.array(tokens, dtype=mx.int32))
+        if self.downstream is None:  # a single stage is its own last stage
             self.on_result(out, None, tensor)
         else:
-            self.r.downstream.send(out, tensor)
+            self.downstream.send(out, tensor)
 
     def on_result(self, res: m.StepResult, env: Any, logits: Any = None) -> None:
         f = self.in_flight.get(res.seq)
         if f is None or f.request_id != res.request_id:
-            self.r.inbox.drop(f"result for step {res.seq} of {res.request_id}, which is not in flight")
+            self.inbox.drop(f"result for step {res.seq} of {res.request_id}, which is not in flight")
             return
         lost = [s for s in self.in_flight if s < res.seq]
         if lost:  # the ring is in order: an earlier result that never came is a lost message
@@ -477,7 +488,7 @@ class Leader:
         self.sampled += 1
         if (t0 := self.submitted_at.pop(res.request_id, None)) is not None:
             self.ttfts.append(time.monotonic() - t0)
-        if reason != "stop" and not self.r.faults.take_drop("drop_token", "decode", self.stage.steps):
+        if reason != "stop" and not self.faults.take_drop("drop_token", "decode", self.stage.steps):
             self.emit(
                 m.TokenEvent(
                     request_id=res.request_id,
@@ -508,8 +519,8 @@ class Leader:
             self.submitted_at.pop(request_id, None)
             self.front_of.pop(request_id, None)
         self.stage.release(request_id)
-        if self.r.downstream is not None:
-            self.r.downstream.send(m.Release(request_id=request_id))
+        if self.downstream is not None:
+            self.downstream.send(m.Release(request_id=request_id))
         self.evict(self.ledger.release(request_id))
         if requeue is not None:
             # First in line again (it was admitted before everything waiting); its blocks went to the
@@ -572,8 +583,8 @@ class Leader:
         if not blocks:
             return
         self.stage.evict(blocks)
-        if self.r.downstream is not None:
-            self.r.downstream.send(m.Evict(blocks=blocks))
+        if self.downstream is not None:
+            self.downstream.send(m.Evict(blocks=blocks))
 
     def beat(self) -> None:
         """From the heartbeat thread: each copy is atomic under the GIL, and `seen` is copied first.
@@ -582,7 +593,7 @@ class Leader:
         after its end went out; so every request this beat counts as seen is in `held` or has ended."""
         seen = dict(self.seen)
         held = list(self.held)
-        received = dict(self.r.received)  # after seen: whatever seen counts was received before
+        received = dict(self.received)  # after seen: whatever seen counts was received before
         running = len(self.requests)
         ttfts = []
         while self.ttfts:
@@ -619,19 +630,17 @@ class Leader:
 
     def emit(self, event: Any, tensor: Any = None) -> None:
         """A request's events go to its own front only; beats to every front (each reads its part)."""
-        assert self.r.events is not None
         front = self.front_of.get(getattr(event, "request_id", ""))
         out = self.reply_to(front) if front is not None else None
-        (out or self.r.events).send(event, tensor)
+        (out or self.events).send(event, tensor)
 
     def reply_to(self, front: str) -> Outbox | None:
-        session = getattr(self.r, "session", None)
-        if session is None:
+        if self.open_reply is None:
             return None
         with self.replies_lock:
             out = self.replies.get(front)
             if out is None:
-                out = self.replies[front] = Outbox(session, self.r.keys.reply(front), self.spec.generation)
+                out = self.replies[front] = self.open_reply(front)
                 while len(self.replies) > REPLY_OUTBOXES:
                     self.replies.popitem(last=False)[1].close()
             self.replies.move_to_end(front)

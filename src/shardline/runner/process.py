@@ -1,8 +1,10 @@
-"""A runner process: loads its shard, then serves the ring as the leader (stage 0) or a follower.
+"""A runner process: its lifecycle (load, join its group, link, rejoin), heartbeat and watchdog, and main.
 
-It exits on Stop/Shutdown, and on any failure with a typed RunnerFailed status and a non-zero code: nothing
-limps on in a broken state. What it reads it does not trust: a message that does not fit is dropped and
-counted (see the heartbeat), and a real loss is caught by a deadline.
+Once linked it serves the ring as the leader (stage 0's face, runner/leader.py), a follower
+(runner/follower.py) or a tensor-parallel group's other member (runner/member.py). It exits on Stop or
+Shutdown, and on any failure with a typed RunnerFailed status and a non-zero code: nothing limps on in a
+broken state. What it reads it does not trust: a message that does not fit is dropped and counted (see the
+heartbeat), and a real loss is caught by a deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import mlx.core as mx
 from shardline.compute import attention
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
-from shardline.dataplane.frame import FrameError, to_mlx
+from shardline.dataplane.frame import FrameError
 from shardline.dataplane.group import GroupFace, GroupMember
 from shardline.dataplane.transport import (
     DeadlineExceeded,
@@ -35,8 +37,10 @@ from shardline.dataplane.transport import (
 from shardline.instance.deadline import Speed
 from shardline.instance.slots import runner_slots
 from shardline.instance.spec import RunnerSpec
-from shardline.runner.faults import Faults
+from shardline.runner.faults import Faults, step_phase
+from shardline.runner.follower import serve_follower
 from shardline.runner.leader import Leader
+from shardline.runner.member import serve_member
 from shardline.runner.signals import RejoinRequested, StopRunner
 from shardline.runner.stage import ProtocolError, Stage, StageCompute
 from shardline.runner.tp_mirror import TensorParallelMirror
@@ -44,10 +48,6 @@ from shardline.trust.credentials import Credentials
 
 EXIT_FAILED = 3
 WARMUP_CHUNK_MAX = 512  # a warm-up chunk as large as a prefill chunk, within reason
-
-
-def step_phase(step: m.Step) -> str:
-    return "decode" if step.rows or (step.n == 1 and step.pos > 0) else "prefill"
 
 
 class RunnerProcess:
@@ -67,14 +67,14 @@ class RunnerProcess:
         self.mirrored: Stage | None = None
         self.downstream: Outbox | None = None
         self.events: Outbox | None = None
-        self.leader: Any = None
+        self.leader: Leader | None = None
         # (since, n, context, reserve) of the step being computed
         self.busy: tuple[float, int, int, int] | None = None
         self.last_step: m.StepTime | None = None
         self.phase: str = "loading"
         self.grace_s = 0.0  # announced bounded work under way (Heartbeat.grace_s)
         self.weight_bytes = 0
-        self.group = None
+        self.group: GroupFace | GroupMember | None = None
 
     def _inbox(self, spec: RunnerSpec) -> Inbox:
         inbox = Inbox(self.session, spec.generation, name=f"stage {spec.slot}")
@@ -158,7 +158,7 @@ class RunnerProcess:
             face.admit(spec.load_timeout, abort=self._abort_wait)
             assert self.stage is not None
             self.mirrored = TensorParallelMirror(self.stage, face, self.policy.floor)
-            self.group: GroupFace | GroupMember | None = face
+            self.group = face
         else:
             self.group = GroupMember(
                 self.session,
@@ -215,7 +215,21 @@ class RunnerProcess:
             # Not waiting for a front to listen: in a cluster, fronts come and go; a front subscribes to
             # events before it submits anything, so nothing it needs can be missed.
             self.events = Outbox(self.session, self.keys.events, spec.generation)
-            self.leader = Leader(self)
+            assert self.mirrored is not None
+            session, keys = self.session, self.keys
+            self.leader = Leader(
+                spec,
+                self.mirrored,
+                self.compute,
+                self.inbox,
+                self.downstream,
+                self.events,
+                policy=self.policy,
+                faults=self.faults,
+                received=self.received,
+                attn_keys=self.speed.attn_keys,
+                open_reply=lambda front: Outbox(session, keys.reply(front), spec.generation),
+            )
             self.leader.warm_ring()  # the whole ring works, and the leader knows every stage's speed
         self.status.send(
             m.Ready(
@@ -306,17 +320,15 @@ class RunnerProcess:
         return {"group_sums": g.count, "sum_us_decode": decode, "sum_us_chunk": chunk}
 
     def serve(self) -> None:
+        """Serve the ring until Stop (StopRunner) or a Rejoin (RejoinRequested)."""
+        assert self.stage is not None and self.mirrored is not None
         if self.leader is not None:
             self.leader.serve()
         elif isinstance(self.group, GroupMember):
-            self.serve_member(self.group)
+            serve_member(self.group, self.stage, self.compute)
         else:
-            self.serve_follower()
-
-    def stop_group(self) -> None:
-        """The ring stops: so do this face's members (the same message, in order)."""
-        assert self.mirrored is not None
-        self.mirrored.stop()
+            assert self.downstream is not None
+            serve_follower(self.spec, self.inbox, self.mirrored, self.compute, self.downstream, self.faults)
 
     def die(self, reason: str, message: str) -> None:
         print(
@@ -352,62 +364,6 @@ class RunnerProcess:
         self.last_step = m.StepTime(n=step.n, context=context, seconds=seconds, reserve=step.reserve)
         self.speed.observe(step.n, context, seconds, step.reserve)
         return out.model_copy(update={"trace": [*step.trace, seconds]}), tensor
-
-    # ---- follower ----------------------------------------------------------------------------------------
-
-    def serve_follower(self) -> None:
-        assert self.stage is not None and self.mirrored is not None and self.downstream is not None
-        while True:
-            env = self.inbox.get(timeout=None)  # idle wait: a follower only reacts
-            msg = env.message
-            if isinstance(msg, m.Step):
-                try:
-                    x = env.tensor
-                    if x is None:
-                        raise ProtocolError("step without hidden states")
-                    self.mirrored.check(msg, x)
-                except (ProtocolError, FrameError, ValueError) as exc:
-                    self.inbox.drop(str(exc))
-                    continue
-                out, tensor = self.compute(msg, x)
-                if self.faults.take_drop("drop_message", step_phase(msg), self.stage.steps):
-                    continue
-                self.downstream.send(out, tensor)
-            elif isinstance(msg, m.Release | m.Evict):
-                if isinstance(msg, m.Release):
-                    self.mirrored.release(msg.request_id)
-                else:
-                    self.mirrored.evict(msg.blocks)
-                if not self.spec.is_last:
-                    self.downstream.send(msg)
-            elif isinstance(msg, m.Stop):
-                self.stop_group()
-                if not self.spec.is_last:
-                    self.downstream.send(msg)
-                raise StopRunner
-            elif isinstance(msg, m.Rejoin):
-                raise RejoinRequested(msg.spec)
-            else:
-                self.inbox.drop(f"stage {self.spec.slot} does not take {msg.kind} messages")
-
-    def serve_member(self, group: GroupMember) -> None:
-        """A group member: what its face obeys, in the face's order. The face checked each step against the
-        same state: a step that does not fit here means the two diverged, which nothing can mend."""
-        assert self.stage is not None
-        while True:
-            msg, payload = group.next_message()
-            if isinstance(msg, m.Step):
-                if payload is None or msg.tensor is None:
-                    raise ProtocolError("step without its input")
-                self.compute(msg, to_mlx(payload, msg.tensor.dtype))
-            elif isinstance(msg, m.Release):
-                self.stage.release(msg.request_id)
-            elif isinstance(msg, m.Evict):
-                self.stage.evict(msg.blocks)
-            elif isinstance(msg, m.Stop):
-                raise StopRunner
-            else:
-                raise ProtocolError(f"a group member does not take {msg.kind} messages")
 
 
 def _watch_parent(parent_pid: int) -> None:

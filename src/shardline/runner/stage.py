@@ -24,6 +24,11 @@ class ProtocolError(RuntimeError):
     """A message that does not fit this stage's state: never obeyed."""
 
 
+# One step through the runner's stage, timed and watched (runner/process.py RunnerProcess.compute): the
+# message for the next stage (or the step's result) and its tensor.
+Compute = Callable[[Step, mx.array], tuple[Step | StepResult, mx.array | None]]
+
+
 @dataclass
 class Held:
     """A request's sampling state on the stage that samples: its settings (sent once, with its first step),

@@ -21,8 +21,10 @@ from shardline.compute.constraints import compile_grace_s, json_schema
 from shardline.compute.sampling import SamplingParams
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Inbox, Keys, Outbox, open_session
+from shardline.errors import EngineError
 from shardline.front import front as front_module
 from shardline.front.front import Front, ModelLimits
+from shardline.front.lifecycle import REMOVED_AFTER_S, Fronts, catch_up
 from shardline.front.request import RequestDeadlineError
 from shardline.instance.deadline import DeadlinePolicy
 from shardline.runner.leader import Leader
@@ -218,6 +220,39 @@ def serving_front(session: Any, keys: Keys, name: str, **kw: Any) -> Iterator[Fr
         yield front
     finally:
         front.close()
+
+
+@pytest.mark.timeout(30)
+def test_fronts_open_once_close_what_views_stop_listing_after_a_grace_and_open_none_once_closed() -> None:
+    with session_keys("fronts") as (session, keys):
+        fronts = Fronts(session, keys.namespace)
+        first = fronts.open(keys.instance, ModelLimits(64, 1024), start=False)
+        assert fronts.open(keys.instance, ModelLimits(64, 1024)) is first
+        handle = first.submit([1, 2, 3], max_tokens=4)
+        assert fronts.close_unlisted(set(), now=100.0) == []  # missing from one view: not gone yet
+        assert fronts.close_unlisted({keys.instance}, now=100.5) == []  # listed again: the grace restarts
+        assert fronts.close_unlisted(set(), now=101.0) == []
+        assert fronts.close_unlisted(set(), now=101.0 + REMOVED_AFTER_S + 0.1) == [keys.instance]
+        assert fronts.get(keys.instance) is None and first.closed
+        assert handle.done and handle.state.error == f"instance {keys.instance} was removed"
+        fronts.close_all("owner closed")
+        with pytest.raises(EngineError, match="owner closed"):
+            fronts.open(keys.instance, ModelLimits(64, 1024))
+
+
+def test_catch_up_tells_a_front_only_what_is_news_to_it() -> None:
+    told: list[Any] = []
+    front = SimpleNamespace(generation=2, failure=None, announce=told.append)
+    kv = {"kv_bytes_per_token": 8, "kv_budget_bytes": 1 << 20}
+    catch_up(front, m.Serving(generation=2, term=1, **kv))
+    catch_up(front, m.Serving(generation=3, term=1, **kv))
+    catch_up(front, m.InstanceFailed(why="gone", term=1))
+    front.failure = "gone"
+    catch_up(front, m.InstanceFailed(why="gone", term=1))
+    assert [(type(u).__name__, getattr(u, "generation", None)) for u in told] == [
+        ("Serving", 3),
+        ("InstanceFailed", None),
+    ]
 
 
 @pytest.mark.timeout(30)

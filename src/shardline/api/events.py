@@ -1,7 +1,7 @@
 """What the API hears from the cluster, off zenoh's threads: it follows the master's view (a front for every
-instance, so live figures are everywhere; the fronts of removed instances closed), fans cluster events out to
-/events listeners (server-sent events), samples the dashboard's figures, and observes each stage's steps
-from its heartbeats in /metrics.
+instance, so live figures are everywhere; the fronts of removed instances closed, see front/lifecycle.py),
+fans cluster events out to /events listeners (server-sent events), samples the dashboard's figures, and
+observes each stage's steps from its heartbeats in /metrics.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from shardline.errors import EngineError
 from shardline.front.figures import LeaderFigures
 
 log = logging.getLogger("shardline.api")
-REMOVED_AFTER_S = 2.0  # an instance missing from views this long is gone (a new master's first view may lag)
 
 
 class Events:
@@ -55,7 +54,6 @@ class Events:
         self._closed = threading.Event()
         self._steps = StepCounts()
         self.histories = Histories()
-        self._missing: dict[str, float] = {}  # instance -> since when views no longer list it
         self._status_sub = client.session.declare_subscriber(
             Keys("*", namespace=client.namespace).status_any, self._on_status
         )
@@ -74,7 +72,7 @@ class Events:
 
     def figures(self) -> dict[str, LeaderFigures]:
         """Each instance's figures from its leader's beats (every node's traffic), by instance."""
-        return {i: f.figures for i, f in self.client.fronts().items()}
+        return {i: f.figures for i, f in self.client.fronts.all().items()}
 
     # ---- the master's view ---------------------------------------------------------------------------------
 
@@ -103,18 +101,11 @@ class Events:
                 log.exception("api: following the view failed")
 
     def _take(self, view: cm.ClusterView) -> None:
-        listed = {r.instance for r in view.instances}
-        now = time.monotonic()
-        for instance in self.client.fronts():
-            if instance in listed:
-                self._missing.pop(instance, None)
-            elif now - self._missing.setdefault(instance, now) > REMOVED_AFTER_S:
-                self._missing.pop(instance, None)
-                self.client.drop_front(instance, f"instance {instance} was removed")
-                self._steps.forget(instance)
-                self.metrics.forget_instance(instance)
+        for instance in self.client.fronts.close_unlisted({r.instance for r in view.instances}):
+            self._steps.forget(instance)
+            self.metrics.forget_instance(instance)
         for rec in view.instances:
-            if rec.phase != "failed" and rec.instance not in self.client.fronts():
+            if rec.phase != "failed" and self.client.fronts.get(rec.instance) is None:
                 try:
                     self.client.front(rec.instance, max_queue=self._max_queue)
                 except (ClusterError, EngineError):

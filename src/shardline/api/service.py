@@ -110,7 +110,7 @@ class Service:
             return None
 
     def gauges(self) -> dict[str, tuple[int, int, int]]:
-        return {i: (f.waiting(), f.running(), f.leader_held) for i, f in self.client.fronts().items()}
+        return {i: (f.waiting(), f.running(), f.leader_held) for i, f in self.client.fronts.all().items()}
 
     def figures(self) -> dict[str, LeaderFigures]:
         """Each instance's figures from its leader's beats (every node's traffic), by instance."""

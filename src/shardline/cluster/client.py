@@ -1,8 +1,9 @@
 """Talking to a cluster from outside a node (CLI, tests, benches) or from a node's own API entrance.
 
 A client holds a zenoh session connected to any node, follows the master's view, sends queries to the
-master, and owns fronts (front/front.py): the request state of what it submits lives here, so a failure of
-any node but the one this client is connected through costs a pause, never a request.
+master, and holds fronts (front/front.py, their lifecycle in front/lifecycle.py): the request state of what
+it submits lives here, so a failure of any node but the one this client is connected through costs a pause,
+never a request.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from shardline.cluster.keys import ClusterKeys
 from shardline.cluster.placement import PlacementRequest
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode
-from shardline.dataplane.transport import Keys, Link, open_session
+from shardline.dataplane.transport import Link, open_session
 from shardline.errors import EngineError
 from shardline.front.front import Front, ModelLimits
+from shardline.front.lifecycle import Fronts, catch_up
 from shardline.trust.credentials import Credentials
 from shardline.trust.refusals import refuse
 from shardline.trust.seal import Checker
@@ -50,7 +52,7 @@ class ClusterClient:
         self.view: cm.ClusterView | None = None
         self.view_arrivals: dict[int, float] = {}  # term -> when its first view arrived (monotonic)
         self._cond = threading.Condition()
-        self._fronts: dict[str, Front] = {}
+        self.fronts = Fronts(self.session, namespace)  # by instance
         self._listeners: list[Callable[[cm.ClusterView], None]] = []
         self._closed = False
         # Views are believed only under their master's seal (trust/seal.py), on a keyed or TLS cluster.
@@ -77,15 +79,15 @@ class ClusterClient:
                 return
             self.view = view
             self.view_arrivals.setdefault(view.term, time.monotonic())
-            fronts = dict(self._fronts)
+            fronts = self.fronts.all()
             listeners = list(self._listeners)
             self._cond.notify_all()
         for listener in listeners:
             listener(view)
         for rec in view.instances:
             front = fronts.get(rec.instance)
-            if front is not None:
-                _catch_up(front, rec, view.term)
+            if front is not None and (update := _update_of(rec, view.term)) is not None:
+                catch_up(front, update)
 
     # ---- the view ------------------------------------------------------------------------------------------
 
@@ -93,10 +95,6 @@ class ClusterClient:
         """Call `listener` with each newer view, from zenoh's thread: it must return at once."""
         with self._cond:
             self._listeners.append(listener)
-
-    def fronts(self) -> dict[str, Front]:
-        with self._cond:
-            return dict(self._fronts)
 
     def wait(self, predicate, timeout: float, what: str) -> cm.ClusterView:  # type: ignore[no-untyped-def]
         """Wait for a view that satisfies predicate(view); ClusterError naming `what` past the timeout."""
@@ -175,35 +173,23 @@ class ClusterClient:
         with self._cond:
             if self._closed:
                 raise EngineError("client is closed")
-            front = self._fronts.get(instance)
+            front = self.fronts.get(instance)
+            rec = self.instance(instance)
             if front is None:
-                rec = self.instance(instance)
                 if rec is None:
                     raise ClusterError(f"no instance {instance!r} in the cluster")
                 limits = ModelLimits(rec.vocab_size or 2**31, rec.context_length or 2**31)
-                front = Front(self.session, Keys(instance, 0, self.namespace), limits, **kw)  # type: ignore[arg-type]
-                front.start()
-                self._fronts[instance] = front
-            else:
-                rec = self.instance(instance)
+                front = self.fronts.open(instance, limits, **kw)
             term = self.view.term if self.view is not None else 0
-        if rec is not None:
-            _catch_up(front, rec, term)
+        update = _update_of(rec, term) if rec is not None else None
+        if update is not None:
+            catch_up(front, update)
         return front
-
-    def drop_front(self, instance: str, why: str) -> None:
-        """Close the front of an instance that is gone: its requests end with `why`, never wait forever."""
-        with self._cond:
-            front = self._fronts.pop(instance, None)
-        if front is not None:
-            front.close(why)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            fronts = list(self._fronts.values())
-        for f in fronts:
-            f.close("client closed")
+        self.fronts.close_all("client closed")
         try:
             self._sub.undeclare()
             if self._own_session:
@@ -218,17 +204,16 @@ class ClusterClient:
         self.close()
 
 
-def _catch_up(front: Front, rec: cm.InstanceRecord, term: int) -> None:
-    """A front that came late (or missed a message) learns from the view, of master term `term`, what the
-    controller announced."""
-    if rec.phase == "ready" and front.generation != rec.generation:
-        front.announce(
-            m.Serving(
-                generation=rec.generation,
-                term=term,
-                kv_bytes_per_token=rec.kv_bytes_per_token,
-                kv_budget_bytes=rec.kv_budget_bytes,
-            )
+def _update_of(rec: cm.InstanceRecord, term: int) -> m.Serving | m.InstanceFailed | None:
+    """What a view of master term `term` says the controller announced of an instance (front/lifecycle.py's
+    catch_up tells a front that missed it)."""
+    if rec.phase == "ready":
+        return m.Serving(
+            generation=rec.generation,
+            term=term,
+            kv_bytes_per_token=rec.kv_bytes_per_token,
+            kv_budget_bytes=rec.kv_budget_bytes,
         )
-    elif rec.phase == "failed" and front.failure is None:
-        front.announce(m.InstanceFailed(why=rec.why, term=term))
+    if rec.phase == "failed":
+        return m.InstanceFailed(why=rec.why, term=term)
+    return None

@@ -31,7 +31,8 @@ from shardline.controller.state import ControllerConfig, Failure
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Keys, open_session
 from shardline.errors import ContextLengthError, EngineError, OverloadError, RequestError
-from shardline.front.front import Front, ModelLimits
+from shardline.front.front import ModelLimits
+from shardline.front.lifecycle import Fronts
 from shardline.instance.settings import InstanceSettings
 from shardline.instance.slots import runner_slots
 from shardline.instance.spec import Fault, RunnerSpec, runner_spec
@@ -168,8 +169,9 @@ class Engine:
         self.agent_key = agent_key = ClusterKeys().agent(f"local-{self.instance}")
         self.agent = NodeAgent(self.session, agent_key, self.log_dir, allow_faults=True)  # tests inject them
         limits = ModelLimits(int(self.model_config.get("vocab_size") or 2**31), self.context_length)
-        self.front = Front(
-            self.session, self.instance_keys, limits, max_queue=config.max_queue, resume=config.resume
+        self.fronts = Fronts(self.session, self.instance_keys.namespace)
+        self.front = self.fronts.open(
+            self.instance, limits, start=False, max_queue=config.max_queue, resume=config.resume
         )
         # Requests go to the front as they are: one piece of code validates and submits for every caller.
         self.submit = self.front.submit
@@ -261,7 +263,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-        self.front.close("engine shut down")
+        self.fronts.close_all("engine shut down")
         if self.controller is not None:
             self.controller.stop(grace)
         self.agent.close(grace)

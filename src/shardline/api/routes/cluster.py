@@ -93,7 +93,7 @@ class Removed(BaseModel):
 
 def state_of(service: Service) -> State:
     view = service.view()
-    fronts = service.client.fronts()
+    fronts = service.client.fronts.all()
     instances = []
     for rec in view.instances if view else []:
         f = fronts.get(rec.instance)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.cluster import election
+from shardline.cluster import election, facts
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.election import elect, newer
@@ -181,18 +181,19 @@ def test_fencing_judges_only_runners_older_than_the_view():
     def runner(instance: str, generation: int, issued: tuple[int, int]) -> cm.RunnerInfo:
         return cm.RunnerInfo(instance=instance, generation=generation, stage=0, start=0, end=1, issued=issued)
 
-    assert cs.stale_runners(view, [runner("i", 3, (2, 5))]) == []
-    assert cs.stale_runners(view, [runner("i", 2, (2, 5))]) == [("i", 3)]  # an older generation stops
-    assert cs.stale_runners(view, [runner("j", 0, (2, 5))]) == [("j", -1)]  # an instance no longer listed
-    assert cs.stale_runners(view, [runner("j", 0, (2, 10))]) == []  # started after this view was made
-    assert cs.stale_runners(view, [runner("i", 4, (2, 3))]) == []  # a newer generation than the view's
+    assert facts.stale_runners(view, [runner("i", 3, (2, 5))]) == []
+    assert facts.stale_runners(view, [runner("i", 2, (2, 5))]) == [("i", 3)]  # an older generation stops
+    assert facts.stale_runners(view, [runner("j", 0, (2, 5))]) == [("j", -1)]  # an instance no longer listed
+    assert facts.stale_runners(view, [runner("j", 0, (2, 10))]) == []  # started after this view was made
+    assert facts.stale_runners(view, [runner("i", 4, (2, 3))]) == []  # a newer generation than the view's
     placed = rec.model_copy(update={"generation": -1, "phase": "placed"})
     unlaid = view.model_copy(update={"instances": [placed]})
-    assert cs.stale_runners(unlaid, [runner("i", 0, (2, 3))]) == []  # launched before the view saw the layout
+    # Launched before the view saw the layout:
+    assert facts.stale_runners(unlaid, [runner("i", 0, (2, 3))]) == []
     starting = view.model_copy(update={"instances": [rec.model_copy(update={"phase": "loading"})]})
-    assert cs.stale_runners(starting, [runner("i", 2, (2, 5))]) == []  # may be handed to generation 3
+    assert facts.stale_runners(starting, [runner("i", 2, (2, 5))]) == []  # may be handed to generation 3
     failed = view.model_copy(update={"instances": [rec.model_copy(update={"phase": "failed"})]})
-    assert cs.stale_runners(failed, [runner("i", 3, (2, 5))]) == [("i", -1)]
+    assert facts.stale_runners(failed, [runner("i", 3, (2, 5))]) == [("i", -1)]
 
 
 @pytest.mark.timeout(10)
@@ -200,8 +201,8 @@ def test_node_losses_name_the_instances_and_nodes():
     s, _ = fold(cs.ClusterState(me="a"), cs.Alive("a"), cs.Alive("b"))
     stages = [cm.StageRecord(node_id="a", start=0, end=3), cm.StageRecord(node_id="c", start=3, end=6)]
     rec = cm.InstanceRecord(instance="i", model="m", generation=1, phase="ready", stages=stages)
-    assert cs.node_losses(s, [rec]) == [("i", 1, "node c left the cluster", {"c"})]
-    assert cs.node_losses(s, [rec.model_copy(update={"phase": "failed"})]) == []
+    assert facts.node_losses(s, [rec]) == [("i", 1, "node c left the cluster", {"c"})]
+    assert facts.node_losses(s, [rec.model_copy(update={"phase": "failed"})]) == []
 
 
 @pytest.mark.timeout(10)

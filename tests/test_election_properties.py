@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardline.cluster import election
+from shardline.cluster import election, facts
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.controller.state import next_generation
@@ -112,7 +112,7 @@ class Sim:
     def see_view(self, n: str, view: cm.ClusterView) -> None:
         self.fold(n, cs.ViewIn(view))
         if self.states[n].view is view:  # accepted: fence this node's runners by it, as the node does
-            doomed = cs.stale_runners(view, self.runners.get(n, []))
+            doomed = facts.stale_runners(view, self.runners.get(n, []))
             for instance, keep in doomed:
                 self.runners[n] = [
                     r for r in self.runners[n] if r.instance != instance or r.generation == keep

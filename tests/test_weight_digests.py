@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shardline.cluster import facts
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
@@ -252,23 +253,22 @@ def test_the_expected_digest_is_the_masters_own_or_the_one_holders_agree_on() ->
         },
         alive={"a", "b", "c", "d", "e"},
     )
-    assert cs.expected_digest(s, "m") == D2 and cs.expected_digest(s, "other") is None
-    assert cs.sources(s, "m", D1) == ["b", "c"] and cs.sources(s, "m", D2) == ["a"]
-    assert cs.sources(s, "m") == ["a", "b", "c", "e"]
+    assert facts.expected_digest(s, "m") == D2 and facts.expected_digest(s, "other") is None
+    assert facts.sources(s, "m", D1) == ["b", "c"] and facts.sources(s, "m", D2) == ["a"]
+    assert facts.sources(s, "m") == ["a", "b", "c", "e"]
     # Without a copy of its own, the master takes the version every holder agrees on, and none otherwise.
     agree = _cluster(
         {"a": _report("a", None), "b": _report("b", _holder(D1, 7.0)), "c": _report("c", _holder(D1, 9.0))}
     )
-    assert cs.expected_digest(agree, "m") == D1
+    assert facts.expected_digest(agree, "m") == D1
     split = _cluster(
         {"a": _report("a", None), "b": _report("b", _holder(D2, 7.0)), "c": _report("c", _holder(D1, 9.0))}
     )
-    assert cs.expected_digest(split, "m") is None
-    assert "different versions" in cs.digest_refusal(split, "m") and "b: 222222222222" in cs.digest_refusal(
-        split, "m"
-    )
-    assert cs.expected_digest(_cluster({"a": _report("a", _holder("", 1.0))}), "m") is None
-    assert "being hashed" in cs.digest_refusal(_cluster({"a": _report("a", _holder("", 1.0))}), "m")
+    assert facts.expected_digest(split, "m") is None
+    refusal = facts.digest_refusal(split, "m")
+    assert "different versions" in refusal and "b: 222222222222" in refusal
+    assert facts.expected_digest(_cluster({"a": _report("a", _holder("", 1.0))}), "m") is None
+    assert "being hashed" in facts.digest_refusal(_cluster({"a": _report("a", _holder("", 1.0))}), "m")
 
 
 @pytest.mark.timeout(10)
@@ -279,10 +279,10 @@ def test_a_peer_claiming_the_earliest_import_of_another_version_changes_no_pin()
         "b": _report("b", _holder(D1, 1_700_000_100.0)),
     }
     liar = _report("z", _holder(D2, 0.0))
-    assert cs.expected_digest(_cluster({**honest, "z": liar}), "m") == D1
+    assert facts.expected_digest(_cluster({**honest, "z": liar}), "m") == D1
     # ... and a master without a copy places nothing on the liar's word (the old rule took D2).
     s = _cluster({"a": _report("a", None), "b": honest["b"], "z": liar})
-    assert cs.expected_digest(s, "m") is None and cs.sources(s, "m", D1) == ["b"]
+    assert facts.expected_digest(s, "m") is None and facts.sources(s, "m", D1) == ["b"]
 
 
 @pytest.mark.timeout(10)
@@ -319,7 +319,7 @@ def test_placing_needs_a_recorded_digest_and_every_launch_names_it() -> None:
     view = ms.view(replace(s, seq=1))
     later = _cluster({"a": _report("a", _holder(D1, 1.0)), "b": _report("b", _holder(D2, 0.5))})
     later, _ = cs.apply(later, cs.ViewIn(view))
-    assert cs.expected_digest(later, "m") == D1  # an earlier claim moves nothing
+    assert facts.expected_digest(later, "m") == D1  # an earlier claim moves nothing
     new = ms.initial(config, 2, ms.snapshot(later, 0.0, 1000.0))
     assert new.records[old.instance].digest == D1
     _, launches, _ = ms.layout(new, old.instance, 1, keep={}, avoid=set())

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardline.cluster import facts
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.keys import ClusterKeys
@@ -220,7 +221,7 @@ def _seen(state: MasterState, event: Seen) -> tuple[MasterState, list[Effect]]:
     out: list[Effect] = []
     if not state.rebuilt and snap.now - state.started >= state.config.report_s * 2:
         state, out = _rebuild(state)  # one report period (and a margin) after the claim: all reported
-    for instance, generation, why, lost in cs.node_losses(snap.cluster, list(state.records.values())):
+    for instance, generation, why, lost in facts.node_losses(snap.cluster, list(state.records.values())):
         rec = state.records[instance]
         if instance in state.running:
             stages = tuple(k for k, s in enumerate(rec.stages) if s.node_id in lost)
@@ -258,7 +259,7 @@ def _rebuild(state: MasterState) -> tuple[MasterState, list[Effect]]:
 
 
 def _attn_keys(state: MasterState, model: str) -> int:
-    fp = cs.footprint(state.snapshot.cluster, model)
+    fp = facts.footprint(state.snapshot.cluster, model)
     return 6 * max(1, fp.hidden_size if fp else 1024)
 
 
@@ -308,15 +309,15 @@ def _place(
     if q.if_absent and (rec := existing(state, q.model)) is not None:
         return state, cm.MasterReply(ok=True, instance=rec, term=state.term), []
     snap = state.snapshot.cluster
-    fp = cs.footprint(snap, q.model)
+    fp = facts.footprint(snap, q.model)
     if fp is None:
         error = f"model {q.model!r} is on no live node"
         return state, cm.MasterReply(ok=False, error=error, term=state.term), []
-    digest = cs.expected_digest(snap, q.model)
+    digest = facts.expected_digest(snap, q.model)
     if digest is None:  # no copy could be checked, or holders disagree: nothing is placed on trust
-        error = cs.digest_refusal(snap, q.model)
+        error = facts.digest_refusal(snap, q.model)
         return state, cm.MasterReply(ok=False, error=error, term=state.term), []
-    nodes = [c for c in cs.capacities(snap) if _holds_stages(snap, c.node_id)]
+    nodes = [c for c in facts.capacities(snap) if _holds_stages(snap, c.node_id)]
     try:
         placement = place(fp, nodes, q.request)
         why, runners = _arranged(snap, fp, nodes, placement, q.request)
@@ -360,7 +361,7 @@ def _arranged(
     request: Any,
 ) -> tuple[str, list[cm.StageRecord]]:
     """Pipeline or tensor-parallel groups over the placed machines (cluster/parallelism.py), and why."""
-    link, source = cs.link_between(snap, [n.node_id for n in nodes])
+    link, source = facts.link_between(snap, [n.node_id for n in nodes])
     choice, runners = arrange(fp, nodes, placement, link, request)
     records = [
         cm.StageRecord(node_id=node, start=s, end=e, ring=stage if member else None, member=member)
@@ -463,12 +464,12 @@ def layout(
     if rec is None:
         raise LayoutError(f"instance {instance!r} was removed")
     snap = state.snapshot.cluster
-    fp = cs.footprint(snap, rec.model)
-    nodes = [c for c in cs.capacities(snap, instance) if _holds_stages(snap, c.node_id)]
-    digest = rec.digest or cs.expected_digest(snap, rec.model) or ""
-    sources = cs.sources(snap, rec.model, digest)
+    fp = facts.footprint(snap, rec.model)
+    nodes = [c for c in facts.capacities(snap, instance) if _holds_stages(snap, c.node_id)]
+    digest = rec.digest or facts.expected_digest(snap, rec.model) or ""
+    sources = facts.sources(snap, rec.model, digest)
     endpoints = {n: r.endpoint for n, r in snap.reports.items()}
-    if fp is None or not cs.sources(snap, rec.model):
+    if fp is None or not facts.sources(snap, rec.model):
         raise LayoutError(f"model {rec.model!r} is on no live node")
     if not sources:
         raise LayoutError(f"no live node holds model {rec.model!r} with the expected digest {digest[:12]}")

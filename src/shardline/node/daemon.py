@@ -27,7 +27,7 @@ from platformdirs import user_data_dir
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.service import ApiSettings
-from shardline.cluster import election
+from shardline.cluster import election, facts
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
@@ -454,7 +454,7 @@ class Node:
         been lost with it)."""
         assert self.agent is not None
         held = self.runner_infos()
-        for instance, keep in cs.stale_runners(view, held):
+        for instance, keep in facts.stale_runners(view, held):
             log.warning("stopping runners of %s not in the view (keeping generation %d)", instance, keep)
             self.agent.stop_instance(instance, keep)
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
+from shardline.cluster import layouts
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
@@ -203,12 +204,12 @@ def test_layout_places_over_the_snapshot_and_names_the_agents():
     s = master()
     s, out = ms.apply(s, place())
     i = replies(out)[0].reply.instance.instance
-    stages, launches, _ = ms.layout(s, i, 0, keep={}, avoid=set())
+    stages, launches, _ = layouts.layout(s, i, 0, keep={}, avoid=set())
     assert [k for k, _ in launches] == [f"shardline/node/{st.node_id}/agent" for st in stages]
     assert [x.spec.layer_start for _, x in launches] == [st.start for st in stages]
     assert all(x.term == 1 and x.spec.generation == 0 for _, x in launches)
-    with pytest.raises(ms.LayoutError):
-        ms.layout(s, "ghost", 0, keep={}, avoid=set())
+    with pytest.raises(layouts.LayoutError):
+        layouts.layout(s, "ghost", 0, keep={}, avoid=set())
 
 
 queries = hs.one_of(

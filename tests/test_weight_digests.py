@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.cluster import facts
+from shardline.cluster import facts, layouts
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
@@ -303,7 +303,7 @@ def test_placing_needs_a_recorded_digest_and_every_launch_names_it() -> None:
     s, out = ms.apply(s, place)
     [reply] = [c.reply for c in out if isinstance(c, ms.Reply)]
     assert reply.ok and reply.instance is not None and reply.instance.digest == D1
-    stages, launches, _ = ms.layout(s, reply.instance.instance, 0, keep={}, avoid=set())
+    stages, launches, _ = layouts.layout(s, reply.instance.instance, 0, keep={}, avoid=set())
     assert launches and all(x.digest == D1 and x.sources == ["a"] for _, x in launches)
     # The record keeps its digest through the layout (views carry it to the next master) ...
     s, _ = ms.apply(s, ms.Laid(reply.instance.instance, 0, stages, D1))
@@ -312,7 +312,7 @@ def test_placing_needs_a_recorded_digest_and_every_launch_names_it() -> None:
     old = s.records[reply.instance.instance].model_copy(update={"digest": ""})
     s2 = ms.initial(config, 1, ms.snapshot(versions, 0.0, 1000.0))
     s2 = replace(s2, records={old.instance: old})
-    _, launches, _ = ms.layout(s2, old.instance, 1, keep={}, avoid=set())
+    _, launches, _ = layouts.layout(s2, old.instance, 1, keep={}, avoid=set())
     assert all(x.digest == D1 for _, x in launches)
     # A new master rebuilds it from the view (every node keeps one and reports its records), and keeps it
     # though a holder of another version with an earlier record has joined since.
@@ -322,14 +322,14 @@ def test_placing_needs_a_recorded_digest_and_every_launch_names_it() -> None:
     assert facts.expected_digest(later, "m") == D1  # an earlier claim moves nothing
     new = ms.initial(config, 2, ms.snapshot(later, 0.0, 1000.0))
     assert new.records[old.instance].digest == D1
-    _, launches, _ = ms.layout(new, old.instance, 1, keep={}, avoid=set())
+    _, launches, _ = layouts.layout(new, old.instance, 1, keep={}, avoid=set())
     assert all(x.digest == D1 and x.sources == ["a"] for _, x in launches)
     # The only holder of the expected version gone: no layout (never a copy of another version).
     gone = _cluster({"a": _report("a", None), "b": _report("b", _holder(D2, 2.0))})
     s3 = ms.initial(config, 1, ms.snapshot(gone, 0.0, 1000.0))
     s3 = replace(s3, records=s.records)
-    with pytest.raises(ms.LayoutError, match="with the expected digest"):
-        ms.layout(s3, old.instance, 1, keep={}, avoid=set())
+    with pytest.raises(layouts.LayoutError, match="with the expected digest"):
+        layouts.layout(s3, old.instance, 1, keep={}, avoid=set())
 
 
 @pytest.mark.timeout(10)

@@ -6,7 +6,7 @@ ClusterState, folds them in with `master_state.apply`, and carries out the effec
 Other threads only post events: the zenoh queryable's callback posts each query (the zenoh Query is kept
 and answered from the loop), and each InstanceController (one per instance, controller/controller.py, with
 its own thread) posts an InstanceUpdate when it changes and a Laid event when it lays out a generation. A
-layout is `master_state.layout` over the newest state, which is immutable: a controller reads it without
+layout is `layouts.layout` over the newest state, which is immutable: a controller reads it without
 a lock.
 
 A new master rebuilds its instances from the newest records in the view and in node reports, adopting
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import zenoh
 
+from shardline.cluster import layouts
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster.keys import ClusterKeys
@@ -132,9 +133,9 @@ class Master:
         keep: dict[str, tuple[int, int]] = {}
         avoid: set[str] = set()
         if rec is not None:
-            keep = ms.keep_layers(rec, c.state.failures) if c.reuse else {}
-            avoid = ms.unreachable(rec, c.state.failures)
-        stages, launches, why = ms.layout(state, instance, generation, keep, avoid)
+            keep = layouts.keep_layers(rec, c.state.failures) if c.reuse else {}
+            avoid = layouts.unreachable(rec, c.state.failures)
+        stages, launches, why = layouts.layout(state, instance, generation, keep, avoid)
         digest = (
             launches[0][1].digest if launches else ""
         )  # kept in the record: views carry it to a new master

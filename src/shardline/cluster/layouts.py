@@ -1,0 +1,149 @@
+"""Where the runners of an instance's new generation go: pure functions of the master's state.
+
+The shell (cluster/master.py) calls `layout` from an instance controller's thread with the newest master
+state, which is immutable: it reads it without a lock. `keep_layers` and `unreachable` say what the last
+failure leaves of the previous generation; `arranged` (pipeline or tensor-parallel groups over the placed
+machines) is shared with the master's dry-run and placement answers (cluster/master_state.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from shardline.cluster import facts
+from shardline.cluster import messages as cm
+from shardline.cluster import state as cs
+from shardline.cluster.keys import ClusterKeys
+from shardline.cluster.parallelism import arrange
+from shardline.cluster.placement import Placement, PlacementError, place
+from shardline.controller.controller import Launch, LayoutError
+from shardline.dataplane import messages as m
+from shardline.instance.spec import runner_spec
+from shardline.models.footprint import ModelFootprint
+
+if TYPE_CHECKING:  # master_state imports this module for `arranged`; the state type alone comes back
+    from shardline.cluster import master_state as ms
+
+
+def layout(
+    state: ms.MasterState,
+    instance: str,
+    generation: int,
+    keep: Mapping[str, tuple[int, int]],
+    avoid: set[str],
+) -> tuple[tuple[cm.StageRecord, ...], list[Launch], str]:
+    """Place the model over the nodes alive now; one StartRunner per runner (a stage, or a member of a
+    stage's tensor-parallel group), and why that layout. Raises LayoutError."""
+    rec = state.records.get(instance)
+    if rec is None:
+        raise LayoutError(f"instance {instance!r} was removed")
+    snap = state.snapshot.cluster
+    fp = facts.footprint(snap, rec.model)
+    nodes = [c for c in facts.capacities(snap, instance) if holds_stages(snap, c.node_id)]
+    digest = rec.digest or facts.expected_digest(snap, rec.model) or ""
+    sources = facts.sources(snap, rec.model, digest)
+    endpoints = {n: r.endpoint for n, r in snap.reports.items()}
+    if fp is None or not facts.sources(snap, rec.model):
+        raise LayoutError(f"model {rec.model!r} is on no live node")
+    if not sources:
+        raise LayoutError(f"no live node holds model {rec.model!r} with the expected digest {digest[:12]}")
+    try:
+        try:  # a node that stalled or vanished is most likely cut off: not used again while others fit
+            usable = [n for n in nodes if n.node_id not in avoid]
+            placement = place(fp, usable, rec.request, keep=keep)
+        except PlacementError:
+            if not avoid:
+                raise
+            usable = nodes
+            placement = place(fp, nodes, rec.request, keep=keep)
+        why, runners = arranged(snap, fp, usable, placement, rec.request)
+    except (PlacementError, ValueError) as exc:
+        raise LayoutError(str(exc)) from exc
+    groups = any(r.member for r in runners)
+    stages = tuple(runners)
+    keys = ClusterKeys(state.config.namespace)
+    launches = []
+    ring_stages = sum(1 for r in runners if not r.member)
+    for k, a in enumerate(runners):
+        group = len(runners) // ring_stages
+        start = _start_runner(state, rec, fp, generation, k, a, ring_stages, endpoints, sources, group)
+        start = start.model_copy(update={"digest": digest})
+        # A survivor keeps its process where its layers stay (keep is empty unless reuse is on); a group's
+        # members are always new (they meet their face at bring-up).
+        start = start.model_copy(update={"reuse": not groups and keep.get(a.node_id) == (a.start, a.end)})
+        launches.append((keys.agent(a.node_id), start))
+    return stages, launches, why
+
+
+def _start_runner(
+    state: ms.MasterState,
+    rec: cm.InstanceRecord,
+    fp: ModelFootprint,
+    generation: int,
+    slot: int,
+    a: cm.StageRecord,
+    stages: int,
+    endpoints: dict[str, str],
+    sources: list[str],
+    group: int = 1,
+) -> m.StartRunner:
+    """The command that starts runner `slot` of a generation on node `a.node_id`."""
+    spec = runner_spec(
+        state.config.spec_fields,
+        instance=rec.instance,
+        generation=generation,
+        slot=slot,
+        stages=stages,
+        layers=(a.start, a.end, fp.layers),
+        endpoint=endpoints[a.node_id],
+        kv_budget_bytes=rec.kv_budget_bytes,
+        group=group,
+        member=a.member,
+        position=a.ring,
+        model=rec.model,
+        namespace=state.config.namespace,
+    )
+    threads = state.config.threads or 1
+    return m.StartRunner(spec=spec, threads=threads, sources=sources, term=state.term, view_seq=state.seq)
+
+
+def keep_layers(rec: cm.InstanceRecord, failures: list[Any]) -> dict[str, tuple[int, int]]:
+    """node -> layer range of the previous generation's stages that its failure did not blame."""
+    blamed = failures[-1].suspects if failures else None
+    if rec.generation < 0 or blamed is None or any(s.member for s in rec.stages):
+        return {}  # a tensor-parallel group's runners are never handed on: their group is gone
+    return {s.node_id: (s.start, s.end) for k, s in enumerate(rec.stages) if k not in blamed}
+
+
+def unreachable(rec: cm.InstanceRecord, failures: list[Any]) -> set[str]:
+    """Nodes of the stages the last failure blamed, when it looks like the machine or its link (a stall, a
+    vanished peer) rather than the process (an exit, a typed failure, which a restart there cures)."""
+    if rec.generation < 0 or not failures or failures[-1].suspects is None:
+        return set()
+    last = failures[-1]
+    if not any(word in last.why for word in ("stalled", "vanished", "left the cluster")):
+        return set()
+    return {s.node_id for k, s in enumerate(rec.stages) if k in last.suspects}
+
+
+def arranged(
+    snap: cs.ClusterState,
+    fp: ModelFootprint,
+    nodes: list[Any],
+    placement: Placement,
+    request: Any,
+) -> tuple[str, list[cm.StageRecord]]:
+    """Pipeline or tensor-parallel groups over the placed machines (cluster/parallelism.py), and why."""
+    link, source = facts.link_between(snap, [n.node_id for n in nodes])
+    choice, runners = arrange(fp, nodes, placement, link, request)
+    records = [
+        cm.StageRecord(node_id=node, start=s, end=e, ring=stage if member else None, member=member)
+        for node, stage, member, s, e in runners
+    ]
+    return f"{choice.explanation} [link {source}]", records
+
+
+def holds_stages(snap: cs.ClusterState, node_id: str) -> bool:
+    r = snap.reports.get(node_id)
+    return r is not None and r.holds_stages

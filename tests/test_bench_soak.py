@@ -32,7 +32,10 @@ from shardline.bench.chaos import (
     largest_schema,
     partition_sides,
 )
-from shardline.bench.soak import Abuse, Counts, Soak, _targets, fault_kinds
+from shardline.bench.soak import _targets
+from shardline.bench.soak_cluster import SoakCluster
+from shardline.bench.soak_faults import Chaos, FaultRecord, fault_kinds
+from shardline.bench.soak_load import Abuse
 from shardline.cli.main import main
 from shardline.testing.cluster import LabCluster
 from shardline.testing.netns import LAB_RANGE, Host, LeakMonitor, list_netns, netns_skip_reason
@@ -261,18 +264,18 @@ def test_abusive_answers_are_served_a_400_or_a_counted_failure():
 
 @pytest.mark.timeout(30)
 def test_a_request_is_cut_by_a_partition_only_while_its_node_is_on_the_minority_side():
-    soak = Soak.__new__(Soak)  # the classification alone: no cluster
+    faults = FaultRecord()  # the classification alone: no cluster
     t = time.monotonic()  # a healed cut from t-100 to t-80; one holding since t-10
-    soak.partitions = [(t - 100, t - 80, frozenset({"n1", "n2"})), (t - 10, None, frozenset({"n0"}))]
-    assert soak._partitioned_during("n1", t - 110) and soak._partitioned_during("n2", t - 81)
-    assert not soak._partitioned_during("n1", t - 79)  # sent after the heal
-    assert not soak._partitioned_during("n3", t - 90)  # on the majority side
-    assert soak._partitioned_during("n0", t - 200)  # in flight when the cut still holding began
+    faults.partitions = [(t - 100, t - 80, frozenset({"n1", "n2"})), (t - 10, None, frozenset({"n0"}))]
+    assert faults.partitioned_during("n1", t - 110) and faults.partitioned_during("n2", t - 81)
+    assert not faults.partitioned_during("n1", t - 79)  # sent after the heal
+    assert not faults.partitioned_during("n3", t - 90)  # on the majority side
+    assert faults.partitioned_during("n0", t - 200)  # in flight when the cut still holding began
     stale = type("RemoteProtocolError", (Exception,), {})("Server disconnected without sending a response.")
-    assert soak._stale_after_cut("n1", t - 70, stale) and not soak._stale_after_cut(
+    assert faults.stale_after_cut("n1", t - 70, stale) and not faults.stale_after_cut(
         "n1", t - 70, OSError("x")
     )
-    assert not soak._stale_after_cut("n3", t - 70, stale)
+    assert not faults.stale_after_cut("n3", t - 70, stale)
 
 
 @pytest.mark.timeout(30)
@@ -322,25 +325,25 @@ def test_a_partition_keeps_the_clients_with_the_majority_watches_it_elect_and_al
     ids = ["n0", "n1", "n2", "n3", "n4"]
     hosts = {nid: Host(f"lab-{i}", f"10.0.0.{i + 1}", "lab0", i, f"p{i}") for i, nid in enumerate(ids)}
     client = Host("lab-5", "10.0.0.6", "lab0", 5, "p5")
-    soak = Soak.__new__(Soak)  # the fault alone, against a fake switch and fake /state answers
-    soak.lab = lab = _FakeLab()  # type: ignore[assignment]
-    soak.cluster = cluster = LabCluster.__new__(LabCluster)
+    nodes = SoakCluster.__new__(SoakCluster)  # the fault alone, against a fake switch and fake /state answers
+    nodes.lab = lab = _FakeLab()  # type: ignore[assignment]
+    nodes.cluster = cluster = LabCluster.__new__(LabCluster)
     cluster.hosts = hosts
-    soak.client_host, soak.ids, soak.stop = client, ids, threading.Event()
-    soak.c, soak.partitions = Counts(), []
+    nodes.client_host, nodes.ids, nodes.stop = client, ids, threading.Event()
+    chaos = Chaos(nodes, FaultRecord(), seed=1, seconds=60, interval_s=5, recover_s=5)
     asked: list[str | None] = []
 
     def state(node_id: str | None = None) -> dict[str, Any]:
         asked.append(node_id)
         if node_id is None:
             return {"master": "n2", "term": 4}  # before the cut
-        soak.stop.set()  # the run ends here: the hold ends early, and the switch must still heal
+        nodes.stop.set()  # the run ends here: the hold ends early, and the switch must still heal
         return {"master": "n0", "term": 5} if node_id != "n2" else {}
 
-    soak.state = state  # type: ignore[method-assign]
-    soak._state_in = lambda nid, timeout=2.0: {"master": "n2", "term": 4}  # type: ignore[method-assign]
+    nodes.state = state  # type: ignore[method-assign]
+    nodes.state_in = lambda nid, timeout=2.0: {"master": "n2", "term": 4}  # type: ignore[method-assign]
     entry: dict[str, Any] = {}
-    soak._partition(random.Random(1), entry)
+    chaos.partition(random.Random(1), entry)
 
     minority, majority = entry["minority"], entry["majority"]
     assert minority[0] == "n2" and len(minority) == 2 and entry["clients_with"] == "majority", entry
@@ -349,8 +352,10 @@ def test_a_partition_keeps_the_clients_with_the_majority_watches_it_elect_and_al
     assert split[1] == [hosts[n].name for n in minority] and lab.calls[1] == ("heal",), lab.calls
     assert (entry["new_master"], entry["new_term"], entry["term"]) == ("n0", 5, 4), entry
     assert entry["minority_views"] == {n: {"term": 4, "master": "n2"} for n in minority}
-    ((down, up, cut),) = soak.partitions
-    assert up is not None and down <= up and cut == frozenset(minority) and soak.c.partitions == 1
+    ((down, up, cut),) = chaos.record.partitions
+    assert (
+        up is not None and down <= up and cut == frozenset(minority) and chaos.record.done["partitions"] == 1
+    )
     assert all(a is None or a in majority for a in asked), (
         asked
     )  # only the majority is asked from the clients

@@ -116,7 +116,8 @@ def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from shardline.bench.soak import fault_kinds, run, use_netns
+    from shardline.bench.soak import run
+    from shardline.bench.soak_faults import fault_kinds, use_netns
 
     minutes = args.seconds / 60 if args.seconds is not None else args.minutes
     if not minutes > 0:

@@ -5,7 +5,7 @@ The nodes run the real decision code (cluster/state.py: the fold `apply`, durabl
 cluster/election.py; stale_runners); only the network, the clock and the
 runners are simulated. A node that dies keeps what `durable` returns (the node writes it before it sends a
 vote or a claim) and comes back from it with `restore`. A master launches a generation of one instance each
-time it wins, as `term << 20` (controller/state.py), and lists it in its views; nodes stop runners the views
+time it wins, as `term << 20` (instance/generation.py), and lists it in its views; nodes stop runners the views
 no longer list.
 """
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from shardline.cluster import election, facts
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
-from shardline.controller.state import next_generation
+from shardline.instance.generation import next_generation
 
 PATIENCE = 1.0
 LEASE = 2.0

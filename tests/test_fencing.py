@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import random_prompt, wait_for
 
-from shardline.controller.state import GENERATION_BITS, generation_term, next_generation
 from shardline.dataplane import messages as m
 from shardline.dataplane.transport import Outbox
+from shardline.instance.generation import GENERATION_BITS, generation_term, next_generation
 from shardline.testing.reference import Reference
 
 

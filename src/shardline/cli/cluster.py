@@ -149,7 +149,7 @@ def api_settings(args: argparse.Namespace) -> Any:
 def cmd_place(args: argparse.Namespace) -> int:
     from shardline.cluster.client import ClusterClient
     from shardline.cluster.placement import PlacementRequest
-    from shardline.controller.state import generation_label
+    from shardline.instance.generation import generation_label
 
     for value, flag in ((args.tp, "--tp"), (args.stages, "--stages")):
         if value is not None:

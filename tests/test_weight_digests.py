@@ -17,7 +17,7 @@ from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.placement import PlacementRequest
-from shardline.cluster.weights.fetch import _check_manifest
+from shardline.cluster.weights.peer import check_manifest
 from shardline.cluster.weights.sources import fetch_order
 from shardline.models.footprint import ModelFootprint
 from shardline.models.store.errors import WeightsError
@@ -132,12 +132,12 @@ def test_layout_claims_come_from_config_and_tensor_names() -> None:
 @pytest.mark.timeout(10)
 def test_unknown_dtypes_fail_closed() -> None:
     ok = TensorEntry(dtype="BF16", shape=[2, 3], file="model.safetensors", offset=0, bytes=12, sha256="a")
-    _check_manifest(_manifest({"model.layers.0.w": ok}), "src")
+    check_manifest(_manifest({"model.layers.0.w": ok}), "src")
     odd = ok.model_copy(update={"dtype": "F4"})
     with pytest.raises(WeightsError, match=r"dtype 'F4', which this node does not know.*cannot be checked"):
-        _check_manifest(_manifest({"model.layers.0.w": odd}), "src")
+        check_manifest(_manifest({"model.layers.0.w": odd}), "src")
     with pytest.raises(WeightsError, match="cannot be 13 bytes"):
-        _check_manifest(_manifest({"model.layers.0.w": ok.model_copy(update={"bytes": 13})}), "src")
+        check_manifest(_manifest({"model.layers.0.w": ok.model_copy(update={"bytes": 13})}), "src")
 
 
 # ---------------------------------------------------------------------------------------------- local copies

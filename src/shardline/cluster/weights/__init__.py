@@ -11,8 +11,8 @@ and carries a shard manifest (`SHARD_MANIFEST`) that says which layers it holds,
 digest, so corruption on disk is found before the stage loads (`check_stage_copy`) and repaired by fetching
 only what is wrong; a whole local copy is checked against its record the same way (`check_full_copy`).
 
-Modules by job: `manifest` (what a model has, its import record), `server` (serving it to peers), `fetch`
-(copying a stage from a peer), `verify` (checking a directory against a manifest and the expected digest),
-`sources` (which holders to try, in which order), `stage` (a node's way to a checked stage directory);
-`files` (the on-disk layout) and `protocol` (the queries between nodes) are shared by them.
+Modules by job: `server` (serving a model to peers), `peer` (one peer's server as a fetch sees it, and the
+checks of its manifest), `fetch` (copying a stage from a peer), `sources` (which holders to try, in which
+order), `stage` (a node's way to a checked stage directory); `protocol` (the queries between nodes) is shared
+by them. What a model holds and how a copy is checked (manifest, verify, files) is models/store/'s.
 """

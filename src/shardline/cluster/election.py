@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # Terms stay far below what a generation id can hold: a generation is `term << 20` plus a counter
-# (controller/state.py), a signed 64-bit integer in every frame header: 42 + 20 bits leave one spare.
+# (instance/generation.py), a signed 64-bit integer in every frame header: 42 + 20 bits leave one spare.
 MAX_TERM = 1 << 42
 
 

@@ -1,0 +1,1 @@
+"""The instance controller: one instance's generations, their bring-up, health judgement and restarts."""

@@ -1,0 +1,1 @@
+"""One instance on this machine: a node agent, an instance controller and a front in one process."""

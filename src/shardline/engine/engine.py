@@ -201,9 +201,10 @@ class Engine:
         return launches
 
     def _spec_for(
-        self, generation: int, stage: int, start: int, end: int, member: int = 0, position: int | None = None
+        self, generation: int, slot: int, start: int, end: int, member: int = 0, position: int | None = None
     ) -> tuple[RunnerSpec, int]:
-        """Runner `stage` (a slot: a face's is its ring stage, a member's `position` is)."""
+        """Runner `slot` (a face's slot is its ring stage; a group member's ring stage is `position`), and the
+        threads it may use."""
         cfg = self.config
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
         inject = cfg.faults if (generation == 0 or cfg.faults_every_generation) else {}
@@ -211,7 +212,7 @@ class Engine:
             cfg.settings_fields(),
             instance=self.instance,
             generation=generation,
-            slot=stage,
+            slot=slot,
             stages=cfg.stages,
             layers=(start, end, self.layers),
             endpoint=self.endpoint,
@@ -222,8 +223,8 @@ class Engine:
             model_dir=str(cfg.model_dir),
             window=cfg.window,
             score_budget=cfg.score_budget,
-            cpu=cpus[stage % len(cpus)] if cfg.pin_cpus else None,
-            fault=inject.get(stage),
+            cpu=cpus[slot % len(cpus)] if cfg.pin_cpus else None,
+            fault=inject.get(slot),
         )
         return spec, 1 if cfg.pin_cpus else max(1, len(cpus) // cfg.runners)
 

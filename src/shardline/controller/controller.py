@@ -98,6 +98,8 @@ class InstanceController:
     def adopt(self, generation: int, stages: int, agent_keys: list[str], kv_bytes_per_token: int) -> None:
         """Take over a generation that serves already (a new master), instead of launching one."""
         self._adopted = True
+        for key in agent_keys:  # publishers declared now: they match their agents before any command
+            self._agent(key)
         with self._cond:
             adopt = ev.Adopt(generation, stages, list(agent_keys), kv_bytes_per_token, time.monotonic())
             self._fold_guarded(adopt, "controller start failed")
@@ -149,7 +151,8 @@ class InstanceController:
 
     def _run(self) -> None:
         with self._cond:
-            if not self._adopted:
+            # Stopped before it began: nothing to launch (stop's commands cover the agents known then).
+            if not self._adopted and not self._stopping:
                 self._fold_guarded(ev.Begin(time.monotonic()), "controller start failed")
             done = self.state.phase == "failed"
         self._flush()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shardline.dataplane import group
+from shardline.dataplane import group, group_stream
 from shardline.dataplane.group import GroupFace, GroupMember
 from shardline.dataplane.transport import DeadlineExceeded, Keys, TransportError
 from shardline.trust import ca
@@ -100,15 +100,15 @@ def test_a_hello_claiming_2_to_the_34_bytes_is_refused_by_its_length_without_rea
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     asked: list[int] = []
-    read = group._Stream.read
+    read = group_stream.Stream.read
 
-    def budgeted(self: group._Stream, n: int, deadline: float | None, what: str) -> bytearray:
+    def budgeted(self: group_stream.Stream, n: int, deadline: float | None, what: str) -> bytearray:
         asked.append(n)
         if n > 1 << 20:  # what the old face did: a zeroed buffer of the claimed size (16 GiB here)
             raise MemoryError(f"asked to read {n} bytes")
         return read(self, n, deadline, what)
 
-    monkeypatch.setattr(group._Stream, "read", budgeted)
+    monkeypatch.setattr(group_stream.Stream, "read", budgeted)
     session, face = face_of()
     admitted = admitting(face)
     s = raw(face)

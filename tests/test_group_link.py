@@ -1,5 +1,6 @@
-"""The tensor-parallel group's streams (dataplane/group.py): sums exchanged and checked, every wait bounded by
-its deadline, a broken stream named at once, and on a TLS cluster encrypted and mutually authenticated."""
+"""The tensor-parallel group's streams (dataplane/group_stream.py, group_sums.py): sums exchanged and
+checked, every wait bounded by its deadline, a broken stream named at once, and on a TLS cluster encrypted
+and mutually authenticated."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import numpy as np
 import pytest
 
 from shardline.dataplane.frame import FrameError
-from shardline.dataplane.group import _secure, _Stream, _Sums, tls_context
+from shardline.dataplane.group_stream import Stream, secure, tls_context
+from shardline.dataplane.group_sums import Sums
 from shardline.dataplane.transport import DeadlineExceeded, TransportError
 from shardline.trust import ca
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def pair(tls: tuple[Path, Path] | None = None) -> tuple[_Stream, _Stream]:
+def pair(tls: tuple[Path, Path] | None = None) -> tuple[Stream, Stream]:
     """Two ends of one loopback TCP stream (TLS when given the two sides' node folders)."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -30,21 +32,21 @@ def pair(tls: tuple[Path, Path] | None = None) -> tuple[_Stream, _Stream]:
     def accept() -> None:
         sock, _ = server.accept()
         try:
-            accepted.append(_secure(sock, tls_context(tls[0], True) if tls else None, True, 10))
+            accepted.append(secure(sock, tls_context(tls[0], True) if tls else None, True, 10))
         except OSError:  # a refused handshake: the client side raises too, and the test looks there
             sock.close()
 
     t = threading.Thread(target=accept)
     t.start()
     client = socket.create_connection(("127.0.0.1", port), timeout=10)
-    client = _secure(client, tls_context(tls[1], False) if tls else None, False, 10)
+    client = secure(client, tls_context(tls[1], False) if tls else None, False, 10)
     t.join(timeout=10)
     server.close()
     # (the face's stream, whose peer is the member; the member's, whose peer is the face)
-    return _Stream(accepted[0], "member", slot=1), _Stream(client, "face", slot=0)
+    return Stream(accepted[0], "member", slot=1), Stream(client, "face", slot=0)
 
 
-def exchange_both(a: _Stream, b: _Stream, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def exchange_both(a: Stream, b: Stream, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     got: dict[str, np.ndarray] = {}
     t = threading.Thread(target=lambda: got.update(b=b.exchange(3, 0, y, time.monotonic() + 10)))
     t.start()
@@ -98,8 +100,8 @@ def test_on_a_tls_cluster_the_stream_is_encrypted_and_a_stranger_is_refused(tmp_
         pair((face, stranger))
 
 
-def native_side(stream: _Stream, face: bool, pair: bool = True) -> _Sums:
-    sums = _Sums()
+def native_side(stream: Stream, face: bool, pair: bool = True) -> Sums:
+    sums = Sums()
     sums._go_native([stream], face=face, pair=pair)
     assert sums.native is not None, "the op is built on this CPU machine"
     return sums
@@ -163,12 +165,12 @@ def test_the_op_names_a_silent_peer_at_the_deadline_a_closed_one_at_once_and_a_w
 
 def test_the_op_adds_a_larger_groups_partials_in_member_order_and_returns_the_total() -> None:
     (a1, b1), (a2, b2) = pair(), pair()
-    face = _Sums()
+    face = Sums()
     face._go_native([a1, a2], face=True, pair=False)
     parts = [np.random.default_rng(k).standard_normal(2048).astype(np.float32) for k in range(3)]
     got: dict[int, np.ndarray] = {}
 
-    def member(k: int, stream: _Stream) -> None:
+    def member(k: int, stream: Stream) -> None:
         stream.send_sum(9, 0, parts[k], time.monotonic() + 10)
         got[k] = stream.read_sum(9, 0, parts[k], time.monotonic() + 10)
 

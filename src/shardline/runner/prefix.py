@@ -52,7 +52,7 @@ class Block:
 
 
 @dataclass
-class Held:
+class Holding:
     """What one running request holds: its reservation, its blocks, and its prompt's keys."""
 
     reserved: int  # bytes it may still allocate
@@ -72,7 +72,7 @@ class PrefixLedger:
         self.budget = budget  # 0: no limit
         self.enabled = enabled
         self.blocks: dict[bytes, Block] = {}
-        self.held: dict[str, Held] = {}
+        self.held: dict[str, Holding] = {}
         self.next_id = 0
         self.clock = 0
         self.queries = 0  # prompt tokens looked up
@@ -117,7 +117,7 @@ class PrefixLedger:
     def start(self, request_id: str, need: int, prompt: list[int]) -> None:
         """An admitted request: it reserves `need` bytes until it ends."""
         keys = chain_keys(prompt, self.block) if self.enabled else []
-        self.held[request_id] = Held(reserved=need, keys=keys)
+        self.held[request_id] = Holding(reserved=need, keys=keys)
 
     def attach(self, request_id: str, limit: int, prompt_len: int = 0) -> list[int]:
         """Just before a request's first step: the cached blocks its prompt (`prompt_len` tokens) starts with,

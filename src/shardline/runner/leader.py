@@ -1,4 +1,9 @@
-"""Stage 0: owns the schedule and admission. Every other stage executes what it sends, in order."""
+"""Stage 0: owns the schedule and admission. Every other stage executes what it sends, in order.
+
+Over 500 lines: one state machine on one thread; admission, KV reservations, the steps it plans and the
+results it takes read and write the same per-request state, which split apart would be handed back and forth
+(its pure parts are apart already: schedule.py, prefix.py, batch_rates.py, row_costs.py).
+"""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ The nodes run the real decision code (cluster/state.py: the fold `apply`, durabl
 cluster/election.py; stale_runners); only the network, the clock and the
 runners are simulated. A node that dies keeps what `durable` returns (the node writes it before it sends a
 vote or a claim) and comes back from it with `restore`. A master launches a generation of one instance each
-time it wins, as `term << 20` (instance/generation.py), and lists it in its views; nodes stop runners the views
-no longer list.
+time it wins, as `term << 20` (instance/generation.py), and lists it in its views; nodes stop runners the
+views no longer list.
 """
 
 from __future__ import annotations
@@ -359,9 +359,9 @@ def test_an_operator_forgets_a_dead_member_by_a_committed_change() -> None:
     sim = formed(3)
     sim.die("n2")
     sim.settle(1)
-    assert sim.fold("n0", cs.Forget("n1")) != []  # alive: it is not forgotten (Refused)
-    assert sim.fold("n1", cs.Forget("n2")) != []  # not the master
-    assert sim.fold("n0", cs.Forget("n2")) == []
+    assert sim.fold("n0", cs.ForgetNode("n1")) != []  # alive: it is not forgotten (Refused)
+    assert sim.fold("n1", cs.ForgetNode("n2")) != []  # not the master
+    assert sim.fold("n0", cs.ForgetNode("n2")) == []
     sim.settle(3)
     master = sim.states["n0"]
     assert all(

@@ -47,7 +47,7 @@ def add_credential_args(parser: argparse.ArgumentParser) -> None:
 
 def runner_settings(args: argparse.Namespace) -> Any:
     """The instance settings `shardline node` runs its instances with: --runner-settings, then the flags."""
-    from shardline.node.daemon import ClusterInstanceSettings
+    from shardline.node.config import ClusterInstanceSettings
 
     for value, flag in (
         (args.prefill_step, "--prefill-step"),
@@ -67,7 +67,8 @@ def runner_settings(args: argparse.Namespace) -> Any:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from shardline.node.allocator import bound_arenas
-    from shardline.node.daemon import Node, NodeConfig
+    from shardline.node.config import NodeConfig
+    from shardline.node.daemon import Node
     from shardline.node.resources import parse_size
     from shardline.trust.exposure import open_refusal
 

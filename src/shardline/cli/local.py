@@ -174,7 +174,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         shutil.rmtree(tls_root, ignore_errors=True)  # a fresh CA per run: nothing old is trusted
         ca.init(tls_root, [f"node-{i}" for i in range(args.nodes)])
         creds = Credentials(creds.key, tls_root / "nodes" / "client")
-    from shardline.node.daemon import ELECTION_FILE
+    from shardline.node.durable import ELECTION_FILE
 
     # `up` starts every node of its cluster at once: they form a fresh membership of these N (a run with
     # fewer nodes than the last must not wait for members that will never start).

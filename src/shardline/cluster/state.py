@@ -4,7 +4,7 @@ Like cluster/master_state.py and controller/state.py, this holds no thread, lock
 loop (node/daemon.py) holds the state and carries out the effects. Events: liveliness (Alive, Gone), node
 reports, master views, ballots (ClaimIn, VoteIn), time passing (Tick: leases), the step's election duties
 (Campaign: a deferred vote, this node's own claim), the master's membership change (Reconfigure), an
-operator's removal of a dead member (Forget) and cluster events from elsewhere to keep (Record). Effects:
+operator's removal of a dead member (ForgetNode) and cluster events from elsewhere to keep (Record). Effects:
 cluster events to log (Happened), ballots to send (Send), a term won (Won), a new membership (Reconfigured),
 a refusal (Refused). What the node and the master read from the state is in cluster/facts.py.
 
@@ -93,7 +93,7 @@ class Reconfigure:
 
 
 @dataclass(frozen=True)
-class Forget:
+class ForgetNode:
     """An operator removes a member that died (the master's Reconfigure commits it)."""
 
     node: str
@@ -106,7 +106,9 @@ class Record:
     events: tuple[cm.ClusterEvent, ...]
 
 
-Event = Alive | Gone | ReportIn | ViewIn | ClaimIn | VoteIn | Tick | Campaign | Reconfigure | Forget | Record
+Event = (
+    Alive | Gone | ReportIn | ViewIn | ClaimIn | VoteIn | Tick | Campaign | Reconfigure | ForgetNode | Record
+)
 
 
 # ---- effects -------------------------------------------------------------------------------------------
@@ -227,7 +229,7 @@ def apply(state: ClusterState, event: Event) -> tuple[ClusterState, list[Effect]
         state, out = _campaign(state, event)
     elif isinstance(event, Reconfigure):
         state, out = _reconfigure(state)
-    elif isinstance(event, Forget):
+    elif isinstance(event, ForgetNode):
         state, why = _forget(state, event.node)
         out = [Refused(why)] if why else []
     else:

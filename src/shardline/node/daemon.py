@@ -10,11 +10,8 @@ knows can be rebuilt from these reports within one period.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
-import socket
 import threading
 import time
 from collections import deque
@@ -23,8 +20,6 @@ from typing import Any
 
 import psutil
 import zenoh
-from platformdirs import user_data_dir
-from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.api.service import ApiSettings
 from shardline.cluster import election, facts
@@ -39,71 +34,22 @@ from shardline.cluster.weights.stage import StageWeights
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import decode, encode
 from shardline.dataplane.transport import Link, open_session
-from shardline.instance.settings import InstanceSettings
-from shardline.models.footprint import footprint_from_dir
-from shardline.models.registry import cache_dir
-from shardline.models.store.manifest import local_models, record_imports
+from shardline.models.store.manifest import record_imports
 from shardline.node.agent import NodeAgent
+from shardline.node.config import NodeConfig, concrete_endpoint
+from shardline.node.durable import ELECTION_FILE, load_election, save_election
+from shardline.node.holdings import LocalModels
 from shardline.node.resources import compute_score, device_kind, node_identity, read_bandwidth, resources
-from shardline.trust.credentials import Credentials
 from shardline.trust.refusals import refuse
 from shardline.trust.seal import Checker, Sealer, certificate_name
 from shardline.trust.seal import register as register_sealer
 
 log = logging.getLogger("shardline.node")
 API_URL_FILE = "api-url"
-ELECTION_FILE = "election.json"  # term, vote and agreed membership: a node that restarts keeps its word
 EVENTS_CAPACITY = 10_000
 NOTICES_KEPT = 8  # the node's newest own events, repeated in its reports
 NOTICE_TTL_S = 300.0  # ... for this long: a node that joins later need not learn old news
 PEER_WAIT_S = 10.0  # a node with named peers campaigns alone only after this long without a link to one
-RECORD_RETRY_S = 60.0  # a model that could not be hashed (still being copied in) is tried again after this
-
-
-class ClusterInstanceSettings(InstanceSettings):
-    """How a master configures the runners it starts and judges them: instance settings, its own policy."""
-
-    reuse_survivors: bool = True  # after a failure, stages it did not blame keep their process and weights
-
-
-class NodeConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    namespace: str = Field("shardline", pattern=r"^[A-Za-z0-9_\-]{1,64}$")
-    listen: str = "tcp/127.0.0.1:0"  # port 0: a free one is chosen
-    peers: list[str] = []
-    multicast_interface: str | None = None  # multicast scouting on this interface; None: off
-    allow_faults: bool = False  # obey commands that inject faults: only for tests and benches
-    credentials: Credentials = Credentials()  # the cluster key and TLS folder; none: an open cluster
-    data_dir: Path | None = None
-    models_dir: Path | None = None  # None: the model cache (where `shardline models pull` imports)
-    memory_limit: int | None = Field(None, gt=0)
-    holds_stages: bool = True  # False: this node never holds a stage (it may still be master and serve)
-    name: str | None = None
-    threads: int = Field(0, ge=0)  # per runner; 0: the machine's cores over the stages it holds
-    compute_score: float | None = Field(None, gt=0)  # None: measured at start
-    report_s: float = Field(0.5, gt=0)
-    lease_ms: int = Field(2000, ge=200)
-    settle_s: float = Field(1.5, ge=0)  # listen this long for a sitting master before claiming
-    runners: ClusterInstanceSettings = ClusterInstanceSettings()
-    api: ApiSettings | None = None  # the HTTP API this node serves; None: none
-
-    def resolved_data_dir(self) -> Path:
-        return self.data_dir or Path(user_data_dir("shardline")) / "node"
-
-    def resolved_models_dir(self) -> Path:
-        return self.models_dir or cache_dir()
-
-
-def concrete_endpoint(endpoint: str) -> str:
-    """tcp/HOST:0 -> tcp/HOST:<a free port>: runners and peers must know the real port."""
-    proto, _, rest = endpoint.partition("/")
-    host, _, port = rest.rpartition(":")
-    if port != "0":
-        return endpoint
-    with socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET) as s:
-        s.bind((host.strip("[]"), 0))
-        return f"{proto}/{host}:{s.getsockname()[1]}"
 
 
 class Node:
@@ -129,7 +75,7 @@ class Node:
         self.device = device_kind()
         self._election_path = data_dir / ELECTION_FILE
         fresh = cs.ClusterState(me=self.node_id, lease_s=config.lease_ms / 1000)
-        # Immutable, replaced by the loop (and by an operator's Forget): readers take it without the lock.
+        # Immutable, replaced by the loop (and by an operator's ForgetNode): readers take it without the lock.
         self.state, self._durable = load_election(self._election_path, fresh)
         self.lock = threading.RLock()  # serialises the state's writers; never held while sending
         # Bounded: a loop that fell behind drops (and counts) rather than stalling zenoh's receive threads.
@@ -137,12 +83,9 @@ class Node:
         self.dropped_events = 0
         self._closed = threading.Event()
         self._leaving = False
-        self._models: dict[str, cm.LocalModel] = {}
-        self._models_at = 0.0
+        self.local_models = LocalModels(self.models_root)
         self._fetching: dict[tuple[str, int], tuple[int, int]] = {}
         self._notices: deque[cm.ClusterEvent] = deque(maxlen=NOTICES_KEPT)
-        self._recording = threading.Lock()  # one background hashing of newly seen models at a time
-        self._record_after = 0.0  # monotonic: when the next background hashing may start
         self._met_at: float | None = None  # monotonic: when a link to a named peer was first up
         self.master: Master | None = None  # while this node is master; only the loop thread touches it
         self.api: Any = None  # api.server.ApiServer when the node serves HTTP
@@ -163,7 +106,7 @@ class Node:
                 s.close()
                 raise
         self.stage_weights = StageWeights(
-            s, self.config.namespace, self.node_id, self.models_root, self._rescan
+            s, self.config.namespace, self.node_id, self.models_root, self.local_models.rescan
         )
         self.agent = (
             NodeAgent(
@@ -395,7 +338,7 @@ class Node:
     def _forget(self, node: str) -> str:
         """Called from zenoh's thread: an operator's removal of a dead member (committed by the loop)."""
         with self.lock:
-            self.state, effects = cs.apply(self.state, cs.Forget(node))
+            self.state, effects = cs.apply(self.state, cs.ForgetNode(node))
         why = next((fx.why for fx in effects if isinstance(fx, cs.Refused)), "")
         log.warning("forget %s: %s", node, why or "removal proposed")
         return why
@@ -481,49 +424,6 @@ class Node:
         ]
         return infos
 
-    def models(self) -> dict[str, cm.LocalModel]:
-        if time.monotonic() - self._models_at > 5.0 or not self._models_at:
-            found = {}
-            for name, p in local_models(self.models_root).items():
-                fp = None
-                if p.full:
-                    try:
-                        fp = footprint_from_dir(self.models_root / name, name)
-                    except Exception as exc:
-                        log.warning("model %s: %s", name, exc)
-                        continue
-                found[name] = cm.LocalModel(
-                    full=p.full,
-                    start=p.start,
-                    end=p.end,
-                    footprint=fp,
-                    digest=p.digest,
-                    imported_at=p.imported_at,
-                )
-            self._models, self._models_at = found, time.monotonic()
-            if any(m.full and not m.digest for m in found.values()):
-                self._record_later()
-        return self._models
-
-    def _record_later(self) -> None:
-        """Hash models that appeared since the start beside the reports (a big one takes minutes): they are
-        listed without a digest, so never a source nor the truth, until then."""
-        if time.monotonic() < self._record_after or not self._recording.acquire(blocking=False):
-            return
-
-        def record() -> None:
-            try:
-                record_imports(self.models_root)
-            finally:
-                self._record_after = time.monotonic() + RECORD_RETRY_S
-                self._rescan()
-                self._recording.release()
-
-        threading.Thread(target=record, daemon=True, name="node-record").start()
-
-    def _rescan(self) -> None:
-        self._models_at = 0.0
-
     def _notice(self, node: str, message: str, instance: str = "") -> None:
         """A weights event of this node's own, in its next reports (the master's view shows it)."""
         log.warning("%s", message)
@@ -556,7 +456,7 @@ class Node:
             api=self.api.url if self.api is not None else "",
             leaving=self._leaving,
             resources=resources(self.score, self.device, self.config.memory_limit, held, self.read_gbps),
-            models=self.models() if self.config.holds_stages else {},
+            models=self.local_models.get() if self.config.holds_stages else {},
             runners=self.runner_infos(),
             term=term,
             config=config,
@@ -594,31 +494,3 @@ class Node:
             progress,
             notify=lambda node, message: self._notice(node, message, spec.instance),
         )
-
-
-def load_election(path: Path, state: cs.ClusterState) -> tuple[cs.ClusterState, dict[str, object]]:
-    """The state with the node's term, vote and membership restored from its state directory, and what it
-    holds now.
-
-    A file that cannot be read is an error, never silently forgotten: a node that forgets its vote may
-    vote twice in one term."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return state, cs.durable(state)  # a fresh node
-    try:
-        state = cs.restore(state, json.loads(text))
-    except (ValueError, TypeError) as exc:
-        raise RuntimeError(f"{path}: election state unreadable ({exc}); move it aside to forget it") from exc
-    log.info("node %s resumes term %d (voted in %d)", state.me, state.term, state.voted_term)
-    return state, cs.durable(state)
-
-
-def save_election(path: Path, durable: dict[str, object]) -> None:
-    """Atomically: a crash leaves the old file or the new one, never a torn one."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        json.dump(durable, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -38,7 +38,9 @@ from shardline.bench.soak_faults import Chaos, FaultRecord, fault_kinds
 from shardline.bench.soak_load import Abuse
 from shardline.cli.main import main
 from shardline.testing.cluster import LabCluster
-from shardline.testing.netns import LAB_RANGE, Host, LeakMonitor, list_netns, netns_skip_reason
+from shardline.testing.leak_monitor import LeakMonitor
+from shardline.testing.namespaces import list_netns
+from shardline.testing.netns import LAB_RANGE, Host, netns_skip_reason
 
 FIELDS = {
     "minutes",

@@ -17,7 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
-from shardline.testing.netns import NETNS_DIR, NetLab, cleanup_stale, list_netns, netns_skip_reason, open_lab
+from shardline.testing.namespaces import NETNS_DIR, list_netns
+from shardline.testing.netns import NetLab, cleanup_stale, netns_skip_reason, open_lab
 
 pytestmark = pytest.mark.skipif(netns_skip_reason() is not None, reason=f"netns: {netns_skip_reason()}")
 
@@ -362,7 +363,7 @@ def test_sigterm_of_the_owner_closes_its_lab() -> None:
 @pytest.mark.timeout(30)
 def test_leak_monitor_sees_root_namespace_traffic() -> None:
     """The monitor behind the zenoh test's 'no leak' assertion does see root-ns frames (loopback here)."""
-    from shardline.testing.netns import LeakMonitor
+    from shardline.testing.leak_monitor import LeakMonitor
 
     with LeakMonitor("127.0.0.0/8") as monitor:
         deadline = time.monotonic() + 10

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 
 from shardline.testing.cluster import LabCluster, LocalCluster, NodeProc
-from shardline.testing.netns import NETNS_DIR, Host, NetLab
+from shardline.testing.namespaces import NETNS_DIR
+from shardline.testing.netns import Host, NetLab
 
 
 def get(url: str, timeout: float = 2.0) -> httpx.Response | None:

@@ -6,14 +6,15 @@ the comparison is per core of work. The baseline is loaded once and kept idle be
 run sits between two baseline runs and is compared with their mean: a shared machine's speed drifts over
 minutes, and a ratio taken seconds apart, with linear drift cancelled, is steadier. Speed ratios come
 from `pairs` rounds; each is reported as the median with the range of the rounds.
+
+Here: the rounds and the report. The baselines (mlx-lm's process, llama.cpp's llama-bench) are in
+engine_references.py, what a stage's memory is measured against in engine_memory.py.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -21,9 +22,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardline.bench import llama_cpp
-from shardline.bench.machine import describe, peak_rss
-from shardline.compute import blas
+from shardline.bench.engine_memory import (
+    activation_bytes,
+    memory_ratios,
+    runtime_allowance_bytes,
+    stage_memory,
+    weights_bytes,
+)
+from shardline.bench.engine_references import LLAMA_PROMPT, Baseline, LlamaCpp, llama_reference
+from shardline.bench.machine import describe
 from shardline.compute.constraints import Matchers, json_schema
 from shardline.compute.sampling import SamplingParams
 from shardline.engine.engine import Engine, EngineConfig
@@ -33,135 +40,11 @@ PREFILL_CHUNKS = 24
 DECODE_TOKENS = 64
 STREAMS = 8
 MEM_SHORT, MEM_LONG = 1024, 16384
-LOAD_TIMEOUT_S = 300
-REQUEST_TIMEOUT_S = 900
-LLAMA_PROMPT, LLAMA_GEN = 512, 128  # llama-bench's pp512 / tg128, and our one-stage prefill of 512 tokens
-_BARE_RUNNER = (
-    "import sys, mlx.core as mx, mlx_lm, zenoh, shardline.runner.stage, shardline.runner.leader; "
-    "mx.eval(mx.ones(8) + 1); "
-    # With a tokenizer.json: also the constraint engine's tokenizer, which the sampling stage builds at its
-    # warm-up and keeps.
-    "from shardline.compute.constraints import Matchers; "
-    "len(sys.argv) > 1 and Matchers(__import__('pathlib').Path(sys.argv[1])).tokenizer(0); "
-    "print([ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0])"
-)
-
-
-@dataclass(frozen=True)
-class LlamaCpp:
-    """llama.cpp's llama-bench on the model's source GGUF: the other side of the llama.cpp ratios."""
-
-    gguf: Path
-    prompt: int = LLAMA_PROMPT
-    gen: int = LLAMA_GEN
-    repetitions: int = 2
-
-    def bench(self, threads: int) -> dict[str, float]:
-        out = llama_cpp.llama_bench(self.gguf, threads, self.prompt, self.gen, self.repetitions)
-        if out is None:
-            raise RuntimeError(llama_cpp.missing_message())
-        return out
-
-
-def _llama_reference(
-    model: str | None, model_dir: Path, quick: bool
-) -> tuple[LlamaCpp | None, Path | None, str]:
-    """llama.cpp's side when it can run (its binaries, the model's GGUF), the GGUF, and why not otherwise."""
-    from shardline.bench.quality import source_gguf
-
-    gguf = source_gguf(model, model_dir)
-    if gguf is None:
-        return None, None, "no GGUF source known for this model: llama.cpp ratios skipped"
-    if llama_cpp.binary("llama-bench") is None:
-        return None, gguf, llama_cpp.missing_message() + "; llama.cpp ratios skipped"
-    if quick:
-        return LlamaCpp(gguf, prompt=128, gen=16, repetitions=1), gguf, ""
-    return LlamaCpp(gguf), gguf, ""
-
-
-def runtime_allowance_bytes(tokenizer_json: Path | None = None) -> int:
-    """A runner's fixed cost: the peak RSS (VmHWM) of a bare process that imported what a runner imports
-    and ran one MLX op, in the runners' environment, and, given the model's tokenizer.json, built the
-    constraint engine's tokenizer as the sampling stage does. What a stage's weights and KV cache come on
-    top of."""
-    done = subprocess.run(
-        [sys.executable, "-c", _BARE_RUNNER, *([str(tokenizer_json)] if tokenizer_json else [])],
-        env=blas.runner_env(1),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(done.stdout.strip()) * 1024
-
-
-def _stage_memory(engine: Engine) -> list[dict[str, int]]:
-    """Each stage's runner: its peak RSS, its weights and its KV cache at peak (from its heartbeat)."""
-    beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.stage)
-    pids = engine.runner_pids()
-    return [
-        {
-            "peak_rss_bytes": peak_rss(pid),
-            "weight_bytes": h.weight_bytes,
-            "kv_peak_bytes": h.kv_peak_bytes,
-            "constraint_tokenizer": int(h.constraint_tokenizer),
-        }
-        for h, pid in zip(beats, pids, strict=True)
-    ]
-
-
-def _weights_bytes(model_dir: Path) -> int:
-    return sum(p.stat().st_size for p in model_dir.glob("model*.safetensors"))
 
 
 def _prompt(n: int, vocab: int, offset: int = 0) -> list[int]:
     # Deterministic, vocabulary-spread ids: speed does not depend on which tokens they are.
     return [(offset + 7919 * i) % (vocab - 1000) + 500 for i in range(n)]
-
-
-class Baseline:
-    """Single-process mlx-lm in its own process, pinned to one core with one BLAS thread, kept loaded."""
-
-    def __init__(self, model_dir: Path) -> None:
-        code = "import os; os.sched_setaffinity(0, {0}); from shardline.bench.baseline import main; main()"
-        # `-c` shifts argv: baseline reads sys.argv[1:3], the two values after "-c CODE".
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(model_dir), str(PREFILL_STEP)],
-            env=blas.runner_env(1),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._answer(LOAD_TIMEOUT_S)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put("")
-
-    def _answer(self, timeout: float) -> dict:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"baseline gave no answer within {timeout:.0f}s") from None
-        if not line:
-            raise RuntimeError(f"baseline exited with code {self.proc.wait()}")
-        return json.loads(line)
-
-    def run(self, prompt: list[int], max_tokens: int) -> list[float]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(REQUEST_TIMEOUT_S)["stamps"]
-
-    def __enter__(self) -> Baseline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def _engine(
@@ -280,10 +163,6 @@ def _median(values: list) -> float | list[float]:
     return statistics.median(values)
 
 
-def _activation_bytes(engine: Engine) -> list[int]:
-    return [max(0, h.peak_bytes - h.weight_bytes - h.kv_peak_bytes) for h in engine.fresh_heartbeats(30)]
-
-
 def _serial_prefill_tps(model_dir: Path, prompt: list[int]) -> float:
     with _engine(model_dir, 2, window=1) as engine:
         return len(prompt) / _timed_request(engine, prompt, 1)[0]
@@ -354,7 +233,7 @@ def _round(
         if check_batched:
             alone = [_streams(engine, [p], decode_tokens)[1][0] for p in stream_prompts]
             raw["batched_outputs_mismatched"] = sum(a != b for a, b in zip(alone, together, strict=True))
-            memory = _stage_memory(engine)  # after the long prefill and the 8 streams: every peak is in
+            memory = stage_memory(engine)  # after the long prefill and the 8 streams: every peak is in
             raw["mask_ms_p50"], raw["mask_ms_p99"] = _mask_ms(model_dir, constrained, vocab)
     if llama:
         llama_2t.append(llama.bench(2))
@@ -448,19 +327,6 @@ def _prefix_round(model_dir: Path, vocab: int, work: PrefixWork) -> tuple[dict, 
     return ratios, raw, mismatched
 
 
-def _memory_ratios(
-    memory: list[dict[str, int]], allowance: int, with_tokenizer: int
-) -> list[dict[str, float]]:
-    """Each stage's peak RSS over what it needs: its weights, its KV cache at peak, the runtime allowance
-    (the one with the constraint tokenizer for the stage that loaded it)."""
-    out = []
-    for m in memory:
-        fixed = with_tokenizer if m["constraint_tokenizer"] else allowance
-        need = m["weight_bytes"] + m["kv_peak_bytes"] + fixed
-        out.append({**m, "runtime_allowance_bytes": fixed, "ratio": round(m["peak_rss_bytes"] / need, 3)})
-    return out
-
-
 def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: int = 3) -> dict:
     from shardline.models.registry import resolve_model
 
@@ -473,13 +339,13 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     work = PrefixWork.quick() if quick else PrefixWork()
     print(f"bench engine: {model_dir.name} on {describe()['cpu']} ({describe()['blas']})", file=sys.stderr)
 
-    llama, gguf, llama_missing = _llama_reference(model, model_dir, quick)
+    llama, gguf, llama_missing = llama_reference(model, model_dir, quick)
     if llama_missing:
         print(f"bench engine: {llama_missing}", file=sys.stderr)
     rounds: dict[str, list[float]] = defaultdict(list)
     raws: dict[str, list[float]] = defaultdict(list)
     memory: list[dict[str, int]] = []
-    with Baseline(model_dir) as baseline:
+    with Baseline(model_dir, PREFILL_STEP) as baseline:
         for i in range(pairs):
             print(f"bench engine: round {i + 1} of {pairs}", file=sys.stderr)
             ratios, raw, mem_i = _round(
@@ -502,7 +368,7 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
         # The long prompt may pass the model's trained context: memory is what is measured, not answers.
         with _engine(model_dir, 2, context_length=long + 1) as engine:
             _timed_request(engine, _prompt(n, vocab, offset=11), 1)
-            mem[name] = _activation_bytes(engine)
+            mem[name] = activation_bytes(engine)
 
     result: dict = {
         "machine": describe(),
@@ -519,10 +385,10 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     # Per constrained token on the sampling stage, replayed from round 1's outputs (reported, no target).
     result["mask_ms_p50"] = statistics.median(raws["mask_ms_p50"])
     result["mask_ms_p99"] = statistics.median(raws["mask_ms_p99"])
-    result["weights_bytes_ratio_vs_gguf"] = _weights_bytes(model_dir) / gguf.stat().st_size if gguf else None
-    stage_memory = _memory_ratios(memory, allowance, with_tokenizer)
-    result["peak_rss_ratio_per_stage"] = [m["ratio"] for m in stage_memory]
-    result["stage_memory"] = stage_memory
+    result["weights_bytes_ratio_vs_gguf"] = weights_bytes(model_dir) / gguf.stat().st_size if gguf else None
+    stages = memory_ratios(memory, allowance, with_tokenizer)
+    result["peak_rss_ratio_per_stage"] = [m["ratio"] for m in stages]
+    result["stage_memory"] = stages
     result["memory_setup"] = (
         "each stage runner's peak RSS (VmHWM, after the long prefill and the 8 streams of round 1) over its "
         "weights + its KV cache at peak + a runtime allowance: the VmHWM of a bare process that imported a "

@@ -76,10 +76,10 @@ def test_batches_are_formed(tiny_models, start_engine, exact):
     """Concurrent streams take fewer ring steps than they have tokens: several ride in one step."""
     engine = start_engine(tiny_models["llama"], 2)
     cases = [(random_prompt(4, seed=90 + i), 30, SamplingParams()) for i in range(4)]
-    before = sum(h.steps for h in engine.fresh_heartbeats(30) if h.stage == 0)
+    before = sum(h.steps for h in engine.fresh_heartbeats(30) if h.slot == 0)
     handles = [engine.submit(p, max_tokens=n, sampling=s) for p, n, s in cases]
     tokens = sum(len(h.tokens(timeout=120)) for h in handles)
-    after = sum(h.steps for h in engine.fresh_heartbeats(30) if h.stage == 0)
+    after = sum(h.steps for h in engine.fresh_heartbeats(30) if h.slot == 0)
     assert tokens == 120
     assert after - before < 0.75 * tokens  # one step per token would be 120 (plus 4 prompt steps)
 

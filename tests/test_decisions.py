@@ -28,7 +28,7 @@ def _hear(s: cs.ControllerState, msg: object, generation: int, at: float) -> cs.
 def _serving(now: float = 100.0) -> cs.ControllerState:
     s = cs.new_generation(cs.ControllerState(stages=2, config=CFG), now)
     for stage in range(2):
-        s = _hear(s, m.Ready(stage=stage, pid=10 + stage, weight_bytes=1, layers=(0, 1)), 0, now)
+        s = _hear(s, m.Ready(slot=stage, pid=10 + stage, weight_bytes=1, layers=(0, 1)), 0, now)
     s.phase = "serving"
     return s
 
@@ -39,10 +39,10 @@ def test_judge_names_the_stage_and_the_cause():
     assert cs.judge(s, 101.0) is None
     assert cs.judge(s, 102.5) == "stage 0 stalled: no heartbeat for 2.5s"
     s = _serving()
-    s = _hear(s, m.RunnerExited(generation=0, stage=1, pid=11, signal=9), 0, 100.5)
+    s = _hear(s, m.RunnerExited(generation=0, slot=1, pid=11, signal=9), 0, 100.5)
     assert cs.judge(s, 100.6).startswith("stage 1 killed by SIGKILL")
     s = _serving()
-    s = _hear(s, m.RunnerStopped(generation=0, stage=1, pid=11), 0, 100.5)
+    s = _hear(s, m.RunnerStopped(generation=0, slot=1, pid=11), 0, 100.5)
     assert "stopped (SIGSTOP)" in cs.judge(s, 100.6)
 
 
@@ -54,10 +54,10 @@ def test_judge_names_a_group_member_by_its_stage_place_and_slot():
     assert names == ["stage 0", "stage 0 member 1 (runner 1)"]
     s = cs.new_generation(cs.ControllerState(stages=2, config=CFG), 100.0, 2, names=names)
     s.phase = "serving"
-    s = _hear(s, m.RunnerStopped(generation=0, stage=1, pid=11), 0, 100.5)
+    s = _hear(s, m.RunnerStopped(generation=0, slot=1, pid=11), 0, 100.5)
     assert cs.judge(s, 100.6) == "stage 0 member 1 (runner 1) stalled: its process is stopped (SIGSTOP)"
     s = cs.new_generation(cs.ControllerState(stages=2, config=CFG), 100.0, 2, names=names)
-    s = _hear(s, m.PeerLost(stage=0, peer=1), 0, 100.5)
+    s = _hear(s, m.PeerLost(slot=0, peer=1), 0, 100.5)
     assert s.fault == "stage 0 member 1 (runner 1) vanished: stage 0 lost its link to it"
     # Names that do not fit the generation are not used.
     s = cs.new_generation(s, 101.0, 2, names=names[:1])
@@ -70,7 +70,7 @@ def test_judge_uses_the_steps_own_deadline_and_arrival_time():
     s = _hear(
         s,
         m.Ready(
-            stage=1,
+            slot=1,
             pid=11,
             weight_bytes=1,
             layers=(1, 2),
@@ -79,7 +79,7 @@ def test_judge_uses_the_steps_own_deadline_and_arrival_time():
         0,
         100.0,
     )
-    beat = m.Heartbeat(stage=1, steps=3, busy=True, busy_for_s=4.0, busy_n=64, busy_context=64)
+    beat = m.Heartbeat(slot=1, steps=3, busy=True, busy_for_s=4.0, busy_n=64, busy_context=64)
     s = _hear(s, beat, 0, 100.0)
     assert cs.judge(s, 100.1) is None  # 4 s into a step measured at 2 s: within 10x
     big = beat.model_copy(update={"busy_n": 1, "busy_context": 65, "busy_for_s": 4.0})
@@ -93,8 +93,8 @@ def test_a_step_that_reserves_a_long_prompts_cache_gets_the_time_to_allocate_it(
     """A long prompt's first chunk allocates the KV cache for the whole prompt: slow, and not a stall."""
     s = _serving()
     warmup = [m.StepTime(n=1, context=1, seconds=0.02), m.StepTime(n=128, context=128, seconds=0.2)]
-    s = _hear(s, m.Ready(stage=1, pid=11, weight_bytes=1, layers=(1, 2), warmup=warmup), 0, 100.0)
-    plain = m.Heartbeat(stage=1, steps=3, busy=True, busy_for_s=3.0, busy_n=128, busy_context=128)
+    s = _hear(s, m.Ready(slot=1, pid=11, weight_bytes=1, layers=(1, 2), warmup=warmup), 0, 100.0)
+    plain = m.Heartbeat(slot=1, steps=3, busy=True, busy_for_s=3.0, busy_n=128, busy_context=128)
     s = _hear(s, plain, 0, 100.0)
     assert "stalled: one step of 128 positions" in cs.judge(s, 100.1)  # 3 s for a 0.2 s chunk
     reserving = plain.model_copy(update={"busy_reserve": 16385})
@@ -111,13 +111,13 @@ def test_announced_work_extends_the_silence_and_the_step_deadline_by_its_grace()
     how long that may take, in a beat sent before: neither its silence nor its step is a stall within it."""
     s = _serving()
     warmup = [m.StepTime(n=1, context=1, seconds=0.05), m.StepTime(n=64, context=64, seconds=0.1)]
-    s = _hear(s, m.Ready(stage=1, pid=11, weight_bytes=1, layers=(1, 2), warmup=warmup), 0, 100.0)
-    s = _hear(s, m.Heartbeat(stage=0, steps=1, busy=False), 0, 100.0)
-    quiet = m.Heartbeat(stage=1, steps=3, busy=False, grace_s=5.0)
+    s = _hear(s, m.Ready(slot=1, pid=11, weight_bytes=1, layers=(1, 2), warmup=warmup), 0, 100.0)
+    s = _hear(s, m.Heartbeat(slot=0, steps=1, busy=False), 0, 100.0)
+    quiet = m.Heartbeat(slot=1, steps=3, busy=False, grace_s=5.0)
     s = _hear(s, quiet, 0, 100.0)
     assert cs._stage_problem(s, 106.9, 1) is None  # 2 s timeout + 5 s grace
     assert cs._stage_problem(s, 107.1, 1) == "stage 1 stalled: no heartbeat for 7.1s"
-    busy = m.Heartbeat(stage=1, steps=3, busy=True, busy_for_s=1.5, busy_n=1, busy_context=65)
+    busy = m.Heartbeat(slot=1, steps=3, busy=True, busy_for_s=1.5, busy_n=1, busy_context=65)
     s = _hear(s, busy, 0, 100.0)
     assert "stalled: one step of 1 positions" in cs._stage_problem(s, 100.1, 1)  # 1 s deadline
     s = _hear(s, busy.model_copy(update={"grace_s": 5.0}), 0, 100.0)
@@ -128,8 +128,8 @@ def test_announced_work_extends_the_silence_and_the_step_deadline_by_its_grace()
 @pytest.mark.timeout(10)
 def test_other_generations_and_stages_are_dropped():
     s = _serving()
-    s = _hear(s, m.RunnerExited(generation=7, stage=0, pid=1, code=1), 7, 100.0)
-    s = _hear(s, m.Heartbeat(stage=5, steps=1, busy=True, busy_for_s=1e9), 0, 100.0)
+    s = _hear(s, m.RunnerExited(generation=7, slot=0, pid=1, code=1), 7, 100.0)
+    s = _hear(s, m.Heartbeat(slot=5, steps=1, busy=True, busy_for_s=1e9), 0, 100.0)
     s = _hear(s, m.GenerationFault(generation=3, why="old"), 0, 100.0)
     assert s.dropped == 3 and cs.judge(s, 100.5) is None
 
@@ -176,7 +176,7 @@ def test_the_fold_asks_for_a_layout_starts_its_runners_and_serves_once_all_are_r
     assert s.phase == "starting" and s.generation == 0 and s.agents == ["agent/a", "agent/b"]
     assert effects == [cs.ToAgent(key, start) for key, start in launches]
     for stage in range(2):
-        ready = m.Ready(stage=stage, pid=10 + stage, weight_bytes=1, layers=(0, 1), kv_bytes_per_token=3)
+        ready = m.Ready(slot=stage, pid=10 + stage, weight_bytes=1, layers=(0, 1), kv_bytes_per_token=3)
         s, _ = cs.apply(s, cs.Heard(ready, 0, 100.5))
     s, effects = cs.apply(s, cs.Clock(100.6, 0.0))
     assert s.phase == "serving" and s.kv_bytes_per_token == 6

@@ -106,7 +106,7 @@ def test_bad_messages_from_peers_change_nothing(tiny_models, start_engine):
             out = Outbox(peer, key, engine.generation)
             out.wait_matched(10)  # the engine is subscribed: these frames reach it
             out.send_raw(b"\x00\x01garbage")
-            out.send(m.Heartbeat(stage=99, steps=1, busy=False))
+            out.send(m.Heartbeat(slot=99, steps=1, busy=False))
             out.send(m.TokenEvent(request_id="nobody", index=0, token=1, logprob=0.0))
         _next_request_is_correct(engine, ref)
         assert engine.failure is None and not engine.recoveries

@@ -38,7 +38,7 @@ def wait_kv_idle(engine, timeout: float = 20.0) -> list[m.Heartbeat]:
         if all(b.kv_bytes == b.kv_cached_bytes and b.requests == 0 for b in beats):
             return beats
         if time.monotonic() > deadline:
-            raise AssertionError(f"KV never returned to idle: {[(b.stage, b.kv_bytes) for b in beats]}")
+            raise AssertionError(f"KV never returned to idle: {[(b.slot, b.kv_bytes) for b in beats]}")
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +162,8 @@ def test_garbage_and_other_generations_change_nothing(tiny_models, start_engine,
         keys.ring(1): m.Step(seq=1, request_id=rid, pos=0, n=1),
         keys.control: m.Cancel(front="x", seq=0, request_id=rid),
         keys.events: m.TokenEvent(request_id=rid, index=3, token=1, logprob=0.0),
-        keys.status(0): m.Heartbeat(stage=0, steps=1, busy=True, busy_for_s=1e6, busy_n=1),
-        keys.status(1): m.RunnerFailed(stage=1, reason="compute", message="forged"),
+        keys.status(0): m.Heartbeat(slot=0, steps=1, busy=True, busy_for_s=1e6, busy_n=1),
+        keys.status(1): m.RunnerFailed(slot=1, reason="compute", message="forged"),
     }
     try:
         stream = handle.stream(timeout=60)

@@ -158,8 +158,8 @@ class Events:
             keys, _ = Keys.parse_status(str(sample.key_expr))
         except ValueError:
             return
-        if self._steps.advance(keys.instance, msg.stage, msg.steps):
-            self.metrics.observe_step(keys.instance, msg.stage, msg.last_step.seconds)
+        if self._steps.advance(keys.instance, msg.slot, msg.steps):
+            self.metrics.observe_step(keys.instance, msg.slot, msg.last_step.seconds)
 
 
 def _offer(q: asyncio.Queue[tuple[str, Any]], item: tuple[str, Any]) -> None:

@@ -142,7 +142,7 @@ def _mask_ms(model_dir: Path, outputs: list[list[int]], vocab: int) -> tuple[flo
 
 
 def _last_step_ms(engine: Engine) -> list[float]:
-    beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.stage)
+    beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.slot)
     return [round(1000 * h.last_step.seconds, 2) if h.last_step else 0.0 for h in beats]
 
 

@@ -39,7 +39,7 @@ def runtime_allowance_bytes(tokenizer_json: Path | None = None) -> int:
 
 def stage_memory(engine: Engine) -> list[dict[str, int]]:
     """Each stage's runner: its peak RSS, its weights and its KV cache at peak (from its heartbeat)."""
-    beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.stage)
+    beats = sorted(engine.fresh_heartbeats(30), key=lambda h: h.slot)
     pids = engine.runner_pids()
     return [
         {

@@ -247,7 +247,7 @@ def _heard(state: ControllerState, msg: Any, generation: int, received_at: float
     """Fold one status message in. Messages of another generation or stage are counted and dropped."""
     gen = getattr(msg, "generation", None)
     gen = generation if gen is None else gen
-    stage = getattr(msg, "stage", None)
+    stage = getattr(msg, "slot", None)
     s = _copy(state)
     if isinstance(msg, m.Resubmitted):
         if gen == s.generation and s.failures:
@@ -262,14 +262,14 @@ def _heard(state: ControllerState, msg: Any, generation: int, received_at: float
     if isinstance(msg, m.PeerLost):
         if 0 <= msg.peer < len(s.views):
             if s.fault is None:
-                lost, seen = runner_label(s, msg.peer), runner_label(s, msg.stage)
+                lost, seen = runner_label(s, msg.peer), runner_label(s, msg.slot)
                 s.fault = f"{lost} vanished: {seen} lost its link to it"
             if msg.peer not in s.fault_stages:
                 s.fault_stages.append(msg.peer)
             # A runner that lost its peer may fail next, of that loss: it is a witness, not a suspect (even
             # when the loss was known already, from its node leaving the cluster).
-            if msg.stage not in s.witnesses and msg.stage != msg.peer:
-                s.witnesses.append(msg.stage)
+            if msg.slot not in s.witnesses and msg.slot != msg.peer:
+                s.witnesses.append(msg.slot)
         return s
     assert stage is not None
     view = s.views[stage]

@@ -261,17 +261,18 @@ EVENTS = TypeAdapter(Event)
 
 
 # ---- status: -> the instance controller ----------------------------------------------------------------
+# Each names its runner by `slot` (RunnerSpec.slot: its status key; a face's is its ring stage).
 
 
 class Loading(Wire):
     kind: Literal["loading"] = "loading"
-    stage: int
+    slot: int
     pid: int
 
 
 class Ready(Wire):
     kind: Literal["ready"] = "ready"
-    stage: int
+    slot: int
     pid: int
     weight_bytes: int
     layers: tuple[int, int]
@@ -281,7 +282,7 @@ class Ready(Wire):
 
 class Heartbeat(Wire):
     kind: Literal["heartbeat"] = "heartbeat"
-    stage: int
+    slot: int
     steps: int
     busy: bool
     phase: Literal["loading", "ready"] = "ready"
@@ -312,7 +313,7 @@ class Heartbeat(Wire):
 
 class RunnerFailed(Wire):
     kind: Literal["runner_failed"] = "runner_failed"
-    stage: int
+    slot: int
     reason: Literal["load", "deadline", "transport", "protocol", "compute"]
     message: str
     generation: int | None = None  # set when a node agent reports it for a runner that never started
@@ -323,7 +324,7 @@ class RunnerStarted(Wire):
 
     kind: Literal["runner_started"] = "runner_started"
     generation: int
-    stage: int
+    slot: int
     pid: int
 
 
@@ -332,7 +333,7 @@ class RunnerExited(Wire):
 
     kind: Literal["runner_exited"] = "runner_exited"
     generation: int
-    stage: int
+    slot: int
     pid: int
     code: int | None = None
     signal: int | None = None
@@ -344,7 +345,7 @@ class RunnerStopped(Wire):
 
     kind: Literal["runner_stopped"] = "runner_stopped"
     generation: int
-    stage: int
+    slot: int
     pid: int
 
 
@@ -353,7 +354,7 @@ class RunnerDiagnostic(Wire):
 
     kind: Literal["runner_diagnostic"] = "runner_diagnostic"
     generation: int
-    stage: int
+    slot: int
     diagnostic: Diagnostic
 
 
@@ -362,7 +363,7 @@ class WeightsProgress(Wire):
 
     kind: Literal["weights_progress"] = "weights_progress"
     generation: int
-    stage: int
+    slot: int
     done: int
     total: int
     source: str = ""
@@ -372,7 +373,7 @@ class PeerLost(Wire):
     """Runner: the next stage's process is gone (its subscription vanished): it cannot have received more."""
 
     kind: Literal["peer_lost"] = "peer_lost"
-    stage: int
+    slot: int
     peer: int
 
 

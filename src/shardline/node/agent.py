@@ -195,7 +195,7 @@ class NodeAgent:
 
         def progress(done: int, total: int, source: str) -> None:
             beat = m.WeightsProgress(
-                generation=spec.generation, stage=spec.slot, done=done, total=total, source=source
+                generation=spec.generation, slot=spec.slot, done=done, total=total, source=source
             )
             self._report(spec, beat)
 
@@ -204,7 +204,7 @@ class NodeAgent:
             model_dir = self._fetch(cmd, progress)
         except Exception as exc:
             log.error("stage %d of %s: no weights: %s", spec.slot, spec.instance, exc)
-            failed = m.RunnerFailed(stage=spec.slot, reason="load", message=f"weights: {exc}")
+            failed = m.RunnerFailed(slot=spec.slot, reason="load", message=f"weights: {exc}")
             self._report(spec, failed.model_copy(update={"generation": spec.generation}))
             return
         finally:
@@ -262,7 +262,7 @@ class NodeAgent:
                     self._runners[key] = runner
             return False
         log.info("stage %d of %s reuses runner %d", new.slot, new.instance, runner.proc.pid)
-        self._report(new, m.RunnerStarted(generation=new.generation, stage=new.slot, pid=runner.proc.pid))
+        self._report(new, m.RunnerStarted(generation=new.generation, slot=new.slot, pid=runner.proc.pid))
         return True
 
     def _spawn(self, spec: m.RunnerSpec, threads: int, issued: tuple[int, int] = (0, 0)) -> None:
@@ -280,13 +280,13 @@ class NodeAgent:
             def on_diagnostic(diag: Diagnostic) -> None:
                 log.warning("stage %s: %s %s", diag.stage, diag.kind, diag.line)
                 if diag.fatal:
-                    fatal = m.RunnerDiagnostic(generation=spec.generation, stage=spec.slot, diagnostic=diag)
+                    fatal = m.RunnerDiagnostic(generation=spec.generation, slot=spec.slot, diagnostic=diag)
                     self._report(spec, fatal)
 
             pump = pump_stream(proc.stdout, spec.slot, runner_log, LineClassifier(spec.slot), on_diagnostic)
             runner = _Runner(spec, proc, runner_log, pump, issued)
             self._runners[key] = runner
-        self._report(spec, m.RunnerStarted(generation=spec.generation, stage=spec.slot, pid=proc.pid))
+        self._report(spec, m.RunnerStarted(generation=spec.generation, slot=spec.slot, pid=proc.pid))
         threading.Thread(target=self._wait, args=(runner,), daemon=True, name=f"wait-{proc.pid}").start()
 
     def _wait(self, runner: _Runner) -> None:
@@ -301,7 +301,7 @@ class NodeAgent:
             if not stopped_reported and _is_stopped(runner.proc.pid):
                 stopped_reported = True
                 spec = runner.spec
-                stopped = m.RunnerStopped(generation=spec.generation, stage=spec.slot, pid=runner.proc.pid)
+                stopped = m.RunnerStopped(generation=spec.generation, slot=spec.slot, pid=runner.proc.pid)
                 self._report(spec, stopped)
         runner.pump.join(timeout=5)  # its last lines, for the tail
         runner.log.close()
@@ -312,7 +312,7 @@ class NodeAgent:
                 del self._runners[key]
         exited = m.RunnerExited(
             generation=spec.generation,
-            stage=spec.slot,
+            slot=spec.slot,
             pid=runner.proc.pid,
             code=code if code >= 0 else None,
             signal=-code if code < 0 else None,

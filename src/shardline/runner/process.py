@@ -110,7 +110,7 @@ class RunnerProcess:
     def start(self) -> None:
         spec = self.spec
         self.status.wait_matched(spec.load_timeout)
-        self.status.send(m.Loading(stage=spec.slot, pid=os.getpid()))
+        self.status.send(m.Loading(slot=spec.slot, pid=os.getpid()))
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.faults.maybe_fire("load", 0)
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
@@ -178,7 +178,7 @@ class RunnerProcess:
     def _lost(self, slot: int) -> None:
         """A group peer stopped answering or broke its stream: name it before this runner fails."""
         try:
-            self.status.send(m.PeerLost(stage=self.spec.slot, peer=slot))
+            self.status.send(m.PeerLost(slot=self.spec.slot, peer=slot))
         except Exception:
             pass
 
@@ -199,7 +199,7 @@ class RunnerProcess:
         self.status = Outbox(self.session, self.keys.status(spec.slot), spec.generation)
         old_status.close()
         self.status.wait_matched(spec.load_timeout, abort=self._abort_wait)
-        self.status.send(m.Loading(stage=spec.slot, pid=os.getpid()))
+        self.status.send(m.Loading(slot=spec.slot, pid=os.getpid()))
         self._link([])
 
     def _link(self, warmup: list[m.StepTime]) -> None:
@@ -233,7 +233,7 @@ class RunnerProcess:
             self.leader.warm_ring()  # the whole ring works, and the leader knows every stage's speed
         self.status.send(
             m.Ready(
-                stage=spec.slot,
+                slot=spec.slot,
                 pid=os.getpid(),
                 weight_bytes=self.weight_bytes,
                 layers=(spec.layer_start, spec.layer_end),
@@ -246,7 +246,7 @@ class RunnerProcess:
     def _peer_lost(self) -> None:
         """The next stage vanished: say so at once (a killed machine is seen in well under its lease)."""
         try:
-            self.status.send(m.PeerLost(stage=self.spec.slot, peer=self.spec.next_stage))
+            self.status.send(m.PeerLost(slot=self.spec.slot, peer=self.spec.next_stage))
         except Exception:
             pass
 
@@ -255,7 +255,7 @@ class RunnerProcess:
         busy = self.busy
         kv = w.kv_figures() if w else (0, 0)
         return m.Heartbeat(
-            stage=self.spec.slot,
+            slot=self.spec.slot,
             steps=w.steps if w else 0,
             busy=busy is not None,
             phase="ready" if self.phase == "ready" else "loading",
@@ -337,7 +337,7 @@ class RunnerProcess:
             flush=True,
         )
         try:
-            self.status.send(m.RunnerFailed(stage=self.spec.slot, reason=reason, message=message))
+            self.status.send(m.RunnerFailed(slot=self.spec.slot, reason=reason, message=message))
         finally:
             os._exit(EXIT_FAILED)
 
@@ -423,7 +423,7 @@ def main(argv: list[str]) -> int:
         message = f"{type(exc).__name__}: {exc}"
         print(f"shardline runner stage {spec.slot} failed ({reason}): {message}", file=sys.stderr)
         try:
-            runner.status.send(m.RunnerFailed(stage=spec.slot, reason=reason, message=message))
+            runner.status.send(m.RunnerFailed(slot=spec.slot, reason=reason, message=message))
         except Exception:
             pass
         if not isinstance(exc, Exception):

@@ -53,7 +53,7 @@ ValueError: [reshape] Cannot reshape array of size 4096 into shape (1,8,32,-1).
 
 
 def feed_all(text: str, **kw: Any) -> list[Diagnostic]:
-    classifier = LineClassifier(stage=1, clock=lambda: 123.0, **kw)
+    classifier = LineClassifier(slot=1, clock=lambda: 123.0, **kw)
     out = [d for line in text.splitlines() for d in classifier.feed(line)]
     return out + classifier.flush()
 
@@ -125,7 +125,7 @@ def feed_all(text: str, **kw: Any) -> list[Diagnostic]:
             "shardline runner stage 2 failed (deadline): DeadlineExceeded: no step from stage 1 in 30.0s",
             "runner_exit",
             True,
-            {"stage": 2, "reason": "deadline", "message": "DeadlineExceeded: no step from stage 1 in 30.0s"},
+            {"slot": 2, "reason": "deadline", "message": "DeadlineExceeded: no step from stage 1 in 30.0s"},
         ),
         ("Segmentation fault (core dumped)", "unknown", False, {"severity": "error"}),
         ("FileNotFoundError: [Errno 2] No such file or directory: 'w.gguf'", "unknown", False, {}),
@@ -138,10 +138,10 @@ def feed_all(text: str, **kw: Any) -> list[Diagnostic]:
     ],
 )
 def test_single_line_patterns(line: str, kind: str, fatal: bool, fields: dict[str, Any]) -> None:
-    found = classify_line(line, stage=1, at=5.0)
+    found = classify_line(line, slot=1, at=5.0)
     assert found is not None
     assert (found.kind, found.fatal, found.line, found.at) == (kind, fatal, line, 5.0)
-    assert found.stage == fields.get("stage", 1)
+    assert found.slot == fields.get("slot", 1)
     for name, value in fields.items():
         assert getattr(found, name) == value, name
     assert feed_all(line)[0].kind == kind  # the incremental classifier agrees
@@ -168,14 +168,14 @@ def test_benign_lines_produce_nothing(line: str) -> None:
 
 
 def test_full_traceback_is_one_diagnostic_at_its_last_line() -> None:
-    classifier = LineClassifier(stage=1, clock=lambda: 7.0, max_frames=3)
+    classifier = LineClassifier(slot=1, clock=lambda: 7.0, max_frames=3)
     lines = TRACEBACK.splitlines()
     for line in lines[:-1]:
         assert classifier.feed(line) == []  # buffered until the exception line
     [found] = classifier.feed(lines[-1])
     assert classifier.flush() == []
     assert isinstance(found, PythonTraceback)
-    assert found.fatal and found.stage == 1 and found.at == 7.0
+    assert found.fatal and found.slot == 1 and found.at == 7.0
     assert found.exc_type == "ValueError"
     assert found.message == "[reshape] Cannot reshape array of size 4096 into shape (1,8,32,-1)."
     assert found.line == lines[-1]
@@ -279,18 +279,18 @@ def test_unknown_keeps_the_lines_before_it() -> None:
 
 def test_diagnostic_with_unknown_fields_and_kinds_deserialises() -> None:
     newer = (
-        b'{"kind": "ring_abort", "stage": 3, "at": 1.5, "fatal": true, "line": "x", '
+        b'{"kind": "ring_abort", "slot": 3, "at": 1.5, "fatal": true, "line": "x", '
         b'"peer_rank": 2, "link": {"rtt_ms": 0.3}}'
     )
     found = DIAGNOSTICS.validate_json(newer)
-    assert found.kind == "ring_abort" and found.stage == 3
+    assert found.kind == "ring_abort" and found.slot == 3
     assert found.model_extra == {"peer_rank": 2, "link": {"rtt_ms": 0.3}}
     assert b'"peer_rank":2' in DIAGNOSTICS.dump_json(found)  # forwarded intact
 
-    future = parse_diagnostic(b'{"kind": "thermal_throttle", "stage": 1, "fatal": true, "celsius": 105}')
+    future = parse_diagnostic(b'{"kind": "thermal_throttle", "slot": 1, "fatal": true, "celsius": 105}')
     assert isinstance(future, Unknown)
-    assert (future.original_kind, future.fatal, future.stage) == ("thermal_throttle", True, 1)
-    bad_field = parse_diagnostic(b'{"kind": "socket_error", "errno": "not a number", "stage": 0}')
+    assert (future.original_kind, future.fatal, future.slot) == ("thermal_throttle", True, 1)
+    bad_field = parse_diagnostic(b'{"kind": "socket_error", "errno": "not a number", "slot": 0}')
     assert isinstance(bad_field, Unknown) and bad_field.original_kind == "socket_error"
     with pytest.raises(ValueError):
         parse_diagnostic(b"[1, 2]")
@@ -330,7 +330,7 @@ def test_pump_on_a_real_runner_process(tmp_path: Path) -> None:
         assert log.tail(1) == ["ValueError: bad shard header"]
     [found] = got
     assert isinstance(found, PythonTraceback)
-    assert (found.stage, found.exc_type, found.message, found.fatal) == (
+    assert (found.slot, found.exc_type, found.message, found.fatal) == (
         2,
         "ValueError",
         "bad shard header",
@@ -382,7 +382,7 @@ def test_pump_survives_a_classifier_bug(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None
     with RotatingLog(tmp_path / "b.log") as log:
-        pump_stream(proc.stdout, 0, log, Broken(stage=0), got.append).join(timeout=30)
+        pump_stream(proc.stdout, 0, log, Broken(slot=0), got.append).join(timeout=30)
     proc.wait(timeout=30)
     assert [d.kind for d in got] == ["memory_error"]
     assert (tmp_path / "b.log").read_text() == "boom\nMemoryError\n"

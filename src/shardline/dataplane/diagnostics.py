@@ -26,7 +26,7 @@ class DiagnosticBase(BaseModel):
     # Infinite floats are written as JSON constants so they survive the round trip instead of becoming null.
     model_config = ConfigDict(extra="allow", frozen=True, ser_json_inf_nan="constants")
 
-    stage: int | None = None
+    slot: int | None = None  # the runner's (RunnerSpec.slot) whose output it was read from
     at: float = Field(default_factory=time.time)  # unix time the node agent saw it
     fatal: bool = False  # the runner can no longer be trusted and must be replaced
     line: str = ""  # the line that triggered the diagnostic
@@ -128,7 +128,7 @@ DIAGNOSTICS: TypeAdapter[Diagnostic] = TypeAdapter(
     Diagnostic, config=ConfigDict(ser_json_inf_nan="constants")
 )
 
-_COMMON = ("stage", "at", "fatal", "line", "evidence")
+_COMMON = ("slot", "at", "fatal", "line", "evidence")
 
 
 def parse_diagnostic(data: str | bytes) -> Diagnostic:

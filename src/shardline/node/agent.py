@@ -278,7 +278,7 @@ class NodeAgent:
             runner_log = RotatingLog(stage_log(self.log_dir, spec.instance, spec.slot))
 
             def on_diagnostic(diag: Diagnostic) -> None:
-                log.warning("stage %s: %s %s", diag.stage, diag.kind, diag.line)
+                log.warning("stage %s: %s %s", diag.slot, diag.kind, diag.line)
                 if diag.fatal:
                     fatal = m.RunnerDiagnostic(generation=spec.generation, slot=spec.slot, diagnostic=diag)
                     self._report(spec, fatal)

@@ -107,7 +107,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         RunnerExit,
         re.compile(r"^shardline runner stage (\d+) failed \((\w+)\): (.*)$"),
-        lambda m: {"stage": int(m.group(1)), "reason": m.group(2), "message": m.group(3)},
+        lambda m: {"slot": int(m.group(1)), "reason": m.group(2), "message": m.group(3)},
     ),
     Rule(RingAbort, re.compile(r"too many send/recv errors", re.IGNORECASE)),
     Rule(
@@ -193,7 +193,7 @@ def _exception_line(line: str) -> re.Match[str] | None:
     return None
 
 
-def _match_rules(line: str, stage: int | None, at: float) -> Diagnostic | None:
+def _match_rules(line: str, slot: int | None, at: float) -> Diagnostic | None:
     for rule in RULES:
         m = rule.pattern.search(line)
         if m is None:
@@ -201,7 +201,7 @@ def _match_rules(line: str, stage: int | None, at: float) -> Diagnostic | None:
         extra = rule.fields(m)
         if extra is None:
             continue
-        fields: dict[str, Any] = {"stage": stage, "at": at, "line": clip(line), "evidence": [clip(line)]}
+        fields: dict[str, Any] = {"slot": slot, "at": at, "line": clip(line), "evidence": [clip(line)]}
         fields.update(extra)
         return rule.model(**fields)  # type: ignore[return-value]
     return None
@@ -218,19 +218,19 @@ def _severity(line: str) -> str | None:
     return None
 
 
-def classify_line(line: str, stage: int | None = None, at: float | None = None) -> Diagnostic | None:
+def classify_line(line: str, slot: int | None = None, at: float | None = None) -> Diagnostic | None:
     """Classify one line on its own (no traceback assembly, no context)."""
     line = line.rstrip("\r\n")
     when = time.time() if at is None else at
     if _PRELUDE.match(line) or _TB_HEADER.match(line):
         return None
-    found = _match_rules(line, stage, when)
+    found = _match_rules(line, slot, when)
     if found is not None:
         return found
     severity = _severity(line)
     if severity is None:
         return None
-    return Unknown(stage=stage, at=when, line=clip(line), evidence=[clip(line)], severity=severity)
+    return Unknown(slot=slot, at=when, line=clip(line), evidence=[clip(line)], severity=severity)
 
 
 @dataclass
@@ -250,14 +250,14 @@ class LineClassifier:
 
     def __init__(
         self,
-        stage: int | None = None,
+        slot: int | None = None,
         *,
         clock: Callable[[], float] = time.time,
         context_lines: int = 4,
         max_frames: int = 5,
         evidence_lines: int = 12,
     ) -> None:
-        self.stage = stage
+        self.slot = slot
         self._clock = clock
         self._context: deque[str] = deque(maxlen=context_lines)
         self._max_frames = max_frames
@@ -297,7 +297,7 @@ class LineClassifier:
         return [found] if found is not None else []
 
     def _single(self, line: str) -> Diagnostic | None:
-        found = _match_rules(line, self.stage, self._clock())
+        found = _match_rules(line, self.slot, self._clock())
         if found is not None:
             if len(found.evidence) == 1:  # add the lines before it: they usually say what was going on
                 found = found.model_copy(update={"evidence": [*map(clip, self._context), clip(line)]})
@@ -306,7 +306,7 @@ class LineClassifier:
         if severity is None:
             return None
         return Unknown(
-            stage=self.stage,
+            slot=self.slot,
             at=self._clock(),
             line=clip(line),
             evidence=[*map(clip, self._context), clip(line)],
@@ -385,12 +385,12 @@ class LineClassifier:
         # A more specific diagnosis of the exception line wins (OOM, ring abort, ...); being uncaught makes it
         # fatal whatever it is.
         for candidate in tb.exc_lines:
-            found = _match_rules(candidate, self.stage, at)
+            found = _match_rules(candidate, self.slot, at)
             if found is not None and not isinstance(found, RunnerExit):
                 return found.model_copy(update={"fatal": found.fatal or uncaught, "evidence": evidence})
         m = _exception_line(exc_line) if exc_line is not None else None
         return PythonTraceback(
-            stage=self.stage,
+            slot=self.slot,
             at=at,
             fatal=uncaught,
             line=clip(exc_line or tb.header),

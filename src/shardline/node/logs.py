@@ -105,7 +105,7 @@ OnDiagnostic = Callable[[Diagnostic], object]
 
 def drain_stream(
     stream: IO[bytes],
-    stage: int | None,
+    slot: int | None,
     log: RotatingLog | None,
     classifier: LineClassifier | None = None,
     on_diagnostic: OnDiagnostic | None = None,
@@ -113,13 +113,13 @@ def drain_stream(
     max_line: int = MAX_LINE_BYTES,
 ) -> None:
     """Read `stream` to EOF in this thread: log every line, report every diagnostic; then close `stream`."""
-    classifier = classifier if classifier is not None else LineClassifier(stage=stage)
+    classifier = classifier if classifier is not None else LineClassifier(slot=slot)
     try:
         while True:
             try:
                 raw = stream.readline(max_line)
             except (OSError, ValueError):  # closed under us, or the fd went away: nothing more to read
-                _log.warning("stage %s: output stream failed", stage, exc_info=True)
+                _log.warning("stage %s: output stream failed", slot, exc_info=True)
                 break
             if not raw:
                 break
@@ -129,20 +129,20 @@ def drain_stream(
                 try:
                     log.write_line(text)
                 except Exception:  # disk full, permissions: lose the log line, keep draining
-                    _log.exception("stage %s: could not write runner log", stage)
+                    _log.exception("stage %s: could not write runner log", slot)
             # Progress bars redraw with '\r': each redraw is a line of its own for the classifier.
             for segment in text.split("\r"):
                 if segment:
-                    _deliver(stage, _classify(classifier.feed, segment, stage), on_diagnostic)
+                    _deliver(slot, _classify(classifier.feed, segment, slot), on_diagnostic)
     finally:
-        _deliver(stage, _classify(lambda _: classifier.flush(), "", stage), on_diagnostic)
+        _deliver(slot, _classify(lambda _: classifier.flush(), "", slot), on_diagnostic)
         with contextlib.suppress(Exception):
             stream.close()
 
 
 def pump_stream(
     stream: IO[bytes],
-    stage: int | None,
+    slot: int | None,
     log: RotatingLog | None,
     classifier: LineClassifier | None = None,
     on_diagnostic: OnDiagnostic | None = None,
@@ -152,30 +152,30 @@ def pump_stream(
     """`drain_stream` in a started daemon thread; join it after the runner exits for the last diagnostics."""
     thread = threading.Thread(
         target=drain_stream,
-        args=(stream, stage, log, classifier, on_diagnostic),
+        args=(stream, slot, log, classifier, on_diagnostic),
         kwargs={"max_line": max_line},
-        name=f"shardline-pump-stage{stage}",
+        name=f"shardline-pump-slot{slot}",
         daemon=True,  # never keeps the node agent alive; the runner's exit closes the pipe anyway
     )
     thread.start()
     return thread
 
 
-def _classify(step: Callable[[str], list[Diagnostic]], line: str, stage: int | None) -> list[Diagnostic]:
+def _classify(step: Callable[[str], list[Diagnostic]], line: str, slot: int | None) -> list[Diagnostic]:
     try:
         return step(line)
     except Exception:  # a classifier bug must cost one line's diagnosis, not the pump
-        _log.exception("stage %s: classifier failed on %r", stage, line[:200])
+        _log.exception("stage %s: classifier failed on %r", slot, line[:200])
         return []
 
 
-def _deliver(stage: int | None, diagnostics: list[Diagnostic], on_diagnostic: OnDiagnostic | None) -> None:
+def _deliver(slot: int | None, diagnostics: list[Diagnostic], on_diagnostic: OnDiagnostic | None) -> None:
     for diagnostic in diagnostics:
-        if diagnostic.stage is None and stage is not None:
-            diagnostic = diagnostic.model_copy(update={"stage": stage})
+        if diagnostic.slot is None and slot is not None:
+            diagnostic = diagnostic.model_copy(update={"slot": slot})
         if on_diagnostic is None:
             continue
         try:
             on_diagnostic(diagnostic)
         except Exception:
-            _log.exception("stage %s: on_diagnostic failed for a %s diagnostic", stage, diagnostic.kind)
+            _log.exception("stage %s: on_diagnostic failed for a %s diagnostic", slot, diagnostic.kind)

@@ -344,7 +344,7 @@ def _on_failure(s: ControllerState, why: str, now: float, wall: float, effects: 
     s.failures.append(Failure(why, s.generation, now, wall, pids, suspects=blamed))
     if s.reuse and blamed is not None:
         effects += [
-            ToAgent(key, m.StopGeneration(instance=s.instance, keep=-1, term=s.term, stages=blamed))
+            ToAgent(key, m.StopGeneration(instance=s.instance, keep=-1, term=s.term, slots=blamed))
             for key in s.agents
         ]
     else:

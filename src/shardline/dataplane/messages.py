@@ -433,7 +433,7 @@ class StopGeneration(Wire):
     keep: int = -1
     grace_s: float = 0.0
     term: int = 0
-    stages: list[int] = []  # only these stages (empty: every stage)
+    slots: list[int] = []  # only these runners (RunnerSpec.slot; empty: every one)
 
 
 AgentCommand = Annotated[StartRunner | StopGeneration, Field(discriminator="kind")]

@@ -52,7 +52,7 @@ class _Runner:
     issued: tuple[int, int] = (0, 0)  # (term, view seq) of the command that started or handed it over
 
 
-RunnerKey = tuple[str, int, int]  # instance, generation, stage
+RunnerKey = tuple[str, int, int]  # instance, generation, slot
 
 
 class NodeAgent:
@@ -119,7 +119,7 @@ class NodeAgent:
                 if isinstance(msg, m.StartRunner):
                     self._start(msg)
                 elif isinstance(msg, m.StopGeneration):
-                    self.stop_instance(msg.instance, msg.keep, msg.grace_s, msg.stages)
+                    self.stop_instance(msg.instance, msg.keep, msg.grace_s, msg.slots)
             except Exception:  # one bad command must not end the agent
                 log.exception("agent command %s failed", type(msg).__name__)
 
@@ -321,15 +321,15 @@ class NodeAgent:
         self._report(spec, exited)
 
     def stop_instance(
-        self, instance: str, keep: int = -1, grace_s: float = 0.0, stages: list[int] | None = None
+        self, instance: str, keep: int = -1, grace_s: float = 0.0, slots: list[int] | None = None
     ) -> None:
         """Stop the instance's runners of every generation but `keep` (-1: all), fetches included; with
-        `stages`, only those stages."""
+        `slots`, only those runners."""
         with self._lock:
             doomed = [
                 r
                 for (i, g, s), r in self._runners.items()
-                if i == instance and g != keep and (not stages or s in stages)
+                if i == instance and g != keep and (not slots or s in slots)
             ]
             self._cancelled |= {k for k in self._pending if k[0] == instance and k[1] != keep}
         if grace_s > 0:
@@ -354,7 +354,7 @@ class NodeAgent:
             control.close()
 
     def held(self) -> list[tuple[RunnerKey, m.RunnerSpec, int, tuple[int, int]]]:
-        """(instance, generation, stage), spec, pid and issuing (term, view seq) of every runner here."""
+        """(instance, generation, slot), spec, pid and issuing (term, view seq) of every runner here."""
         with self._lock:
             return [(k, r.spec, r.proc.pid, r.issued) for k, r in self._runners.items()]
 

@@ -179,7 +179,7 @@ def test_fencing_judges_only_runners_older_than_the_view():
     view = cm.ClusterView(term=2, master="a", seq=10, instances=[rec])
 
     def runner(instance: str, generation: int, issued: tuple[int, int]) -> cm.RunnerInfo:
-        return cm.RunnerInfo(instance=instance, generation=generation, stage=0, start=0, end=1, issued=issued)
+        return cm.RunnerInfo(instance=instance, generation=generation, slot=0, start=0, end=1, issued=issued)
 
     assert facts.stale_runners(view, [runner("i", 3, (2, 5))]) == []
     assert facts.stale_runners(view, [runner("i", 2, (2, 5))]) == [("i", 3)]  # an older generation stops

@@ -90,7 +90,7 @@ class Sim:
         self.generation[n] = gen
         self.seq += 1
         info = cm.RunnerInfo(
-            instance=INSTANCE, generation=gen, stage=0, start=0, end=1, issued=(term, self.seq)
+            instance=INSTANCE, generation=gen, slot=0, start=0, end=1, issued=(term, self.seq)
         )
         self.runners[n] = [r for r in self.runners.get(n, []) if r.generation != gen] + [info]
         self.publish(n)

@@ -176,7 +176,7 @@ def test_a_new_master_adopts_what_serves_and_rebuilds_the_rest_after_two_report_
         stages=[cm.StageRecord(node_id="a", start=0, end=4), cm.StageRecord(node_id="b", start=4, end=8)],
     )
     half = rec.model_copy(update={"instance": "m-2"})
-    info = lambda i, k, s, e: cm.RunnerInfo(instance=i, generation=3, stage=k, start=s, end=e, pid=1)  # noqa: E731
+    info = lambda i, k, s, e: cm.RunnerInfo(instance=i, generation=3, slot=k, start=s, end=e, pid=1)  # noqa: E731
     reports = {
         "a": report("a", [info("m-1", 0, 0, 4), info("m-2", 0, 0, 4)], term=1),
         "b": report("b", [info("m-1", 1, 4, 8)], term=1, instances=[rec, half]),

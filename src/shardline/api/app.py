@@ -125,7 +125,7 @@ def build_app(service: Service) -> FastAPI:
                 return _error(request, denied)
         return await call_next(request)
 
-    # Inside CORS (which answers preflights), outside the key check: see ollama_entrance.
+    # Inside CORS (which answers preflights), outside the key check: see middleware/ollama.py.
     app.add_middleware(OllamaEntrance, allowed_origins=settings.cors_origins)
     if settings.cors_origins:
         app.add_middleware(

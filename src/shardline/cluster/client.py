@@ -1,4 +1,4 @@
-"""Talking to a cluster from outside a node (CLI, tests, benches) or from a node's own API entrance.
+"""Talking to a cluster from outside a node (CLI, tests, benches) or from a node's own API.
 
 A client holds a zenoh session connected to any node, follows the master's view, sends queries to the
 master, and holds fronts (front/front.py, their lifecycle in front/lifecycle.py): the request state of what

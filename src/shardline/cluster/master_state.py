@@ -230,7 +230,7 @@ def _seen(state: MasterState, event: Seen) -> tuple[MasterState, list[Effect]]:
 def _rebuild(state: MasterState) -> tuple[MasterState, list[Effect]]:
     """Instances from the newest records anyone holds; adopt what still serves, rebuild the rest."""
     held = {
-        (i.instance, i.generation, i.stage, node_id)
+        (i.instance, i.generation, i.slot, node_id)
         for node_id, r in state.snapshot.cluster.reports.items()
         for i in r.runners
         if i.pid is not None

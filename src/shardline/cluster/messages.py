@@ -54,7 +54,7 @@ class LocalModel(Wire):
 class RunnerInfo(Wire):
     instance: str
     generation: int
-    stage: int
+    slot: int  # the runner among its instance's runners (RunnerSpec.slot)
     start: int
     end: int
     pid: int | None = None  # None while the stage's weights are being fetched

@@ -1,4 +1,4 @@
-"""The front: one API entrance's request table. Validation, submit, cancel, resubmit on a new generation.
+"""The front: one node API's request table for one instance: validation, submit, cancel, resubmit.
 
 Request state lives here, never only inside a runner. The front hears the controller's announcements
 (Serving / Recovering / InstanceFailed) and the leader's events; it sends Submit / Cancel to the serving

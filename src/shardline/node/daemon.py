@@ -414,7 +414,7 @@ class Node:
             cm.RunnerInfo(
                 instance=i,
                 generation=g,
-                stage=s,
+                slot=s,
                 start=spec.layer_start,
                 end=spec.layer_end,
                 pid=pid,

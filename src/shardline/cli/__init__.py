@@ -1,0 +1,1 @@
+"""The `shardline` command: main.py parses and dispatches; one module per command family."""

@@ -1,0 +1,1 @@
+"""Many nodes as one: membership, election, the master (a pure fold and its shell), placement, weights."""

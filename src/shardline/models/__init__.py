@@ -1,0 +1,1 @@
+"""Model files: names and the cache, GGUF import, checks, footprints, synthetic models; store/: the files."""

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from shardline.testing import netns
-from shardline.testing.netns import REQUIRE_ROOT_TESTS, NetLab, NetnsError, netns_skip_reason
+from shardline.testing.namespaces import NetnsError
+from shardline.testing.netns import REQUIRE_ROOT_TESTS, NetLab, netns_skip_reason
 
 CI_RUN = Path(__file__).resolve().parents[1] / ".ci" / "run"
 

@@ -25,7 +25,8 @@ import pytest
 from conftest import assert_no_runner_left, random_prompt
 
 from shardline.testing.cluster import FAST_RUNNERS
-from shardline.testing.netns import Host, NetLab, cleanup_stale, list_netns, netns_skip_reason
+from shardline.testing.namespaces import list_netns
+from shardline.testing.netns import Host, NetLab, cleanup_stale, netns_skip_reason
 from shardline.testing.reference import Reference
 from shardline.trust import ca
 from shardline.trust.credentials import TLS_ENV

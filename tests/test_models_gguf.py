@@ -28,7 +28,7 @@ from shardline.models.errors import (
 from shardline.models.gguf_import import import_gguf
 from shardline.models.registry import DEFAULT_MODEL, KnownModel, pull, resolve_model
 from shardline.models.safetensors_stream import write_f32_safetensors
-from shardline.models.validate import validate_model_dir
+from shardline.models.validate import mlx_lm_architecture, validate_model_dir
 
 # Captured before any per-test override, so the session fixture can reuse the real cache.
 _REAL_CACHE_ENV = os.environ.get(registry.CACHE_ENV)
@@ -582,12 +582,25 @@ def test_corrupt_directory_is_reported(tiny_dir: Path, how: str, expected: str) 
 @pytest.mark.timeout(60)
 def test_unsupported_model_type_is_reported(tiny_dir: Path) -> None:
     config = json.loads((tiny_dir / "config.json").read_text())
-    config["model_type"] = "mamba"
+    config["model_type"] = "foo"
     (tiny_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        UnsupportedModelError, match=r"'mamba' is not supported \(supported: llama, qwen2, qwen3\)"
+        UnsupportedModelError, match=r"'foo' is not supported: it is not an architecture of mlx-lm"
     ):
         validate_model_dir(tiny_dir)
+
+
+@pytest.mark.timeout(60)
+def test_every_architecture_of_mlx_lm_is_accepted(tiny_dir: Path) -> None:
+    # Resolved as mlx-lm resolves it: remapped names, and modules found without importing them.
+    assert mlx_lm_architecture("mistral") == "llama" and mlx_lm_architecture("falcon_mamba") == "mamba"
+    assert mlx_lm_architecture("bailing_hybrid", ["BailingMoeV3ForCausalLM"]) == "bailing_moe_v3"
+    # Helpers of mlx_lm.models define no Model, and a model_type is a module's name, never a path.
+    assert [mlx_lm_architecture(t) for t in ("cache", "rope_utils", "../models/llama", "foo")] == [None] * 4
+    config = json.loads((tiny_dir / "config.json").read_text())
+    for model_type in ("mamba", "gemma3_text", "deepseek_v3", "mistral"):
+        (tiny_dir / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        assert validate_model_dir(tiny_dir)["model_type"] == model_type
 
 
 @pytest.mark.timeout(60)

@@ -124,6 +124,8 @@ def estimate(
     why_not = ""
     if len(order) < stages * group:
         why_not = f"needs {stages * group} nodes, the cluster has {len(order)}"
+    elif group > 1 and model.tensor_split:  # its layers are not the shape a group splits
+        why_not = model.tensor_split
     elif not _splits(model, group):
         why_not = f"its heads or columns do not split {group} ways"
     for k, (s, e) in enumerate(ranges):

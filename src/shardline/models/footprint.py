@@ -1,6 +1,11 @@
 """What a model needs, per part, read from its directory: the figures placement and the KV budget start from.
 
 `footprint_from_dir` reads only config.json and the JSON headers of the safetensors files, never a tensor.
+It knows every architecture of mlx-lm by the names mlx-lm's modules give their tensors: layer i is the i-th
+entry of the Model's `layers` (what a stage for layers [start, end) holds), whatever the list is called and
+wherever it sits (`model.layers.N.`, `language_model.model.layers.N.`, `backbone.layers.N.`,
+`transformer.h.N.`, `model.blocks.N.`, ...); the embedding is what embeds tokens outside the layers; the
+rest (final norm, lm_head, anything unexpected) is the head, held by the last stage.
 """
 
 from __future__ import annotations
@@ -8,20 +13,52 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.models.errors import CorruptModelError
 from shardline.models.store.formats import describe_weights
+from shardline.models.validate import mlx_lm_architecture
 
 # A layer's ops besides its matmuls, as bytes of matmul work: measured on the default model with quantized
 # weights (2.2 MB a layer), a layer took 0.40 ms and the tied 35 MB head 4.0 ms, so a layer costs what ~1.3 MB
 # of head costs. Negligible for big layers; for small ones it keeps the head's stage from getting too many.
 LAYER_OVERHEAD_BYTES = 1 << 20
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # a safetensors header beyond this is garbage, not a model
-_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 _FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+# The names of mlx-lm's layer lists; kv_reuse_layers (afm7) follow its `layers` in the Model's `layers`.
+_LAYER_LIST = re.compile(r"(?:^|\.)(layers|h|blocks|kv_reuse_layers)\.(\d+)\.")
+_APPENDED_LIST = "kv_reuse_layers"
+# Vision and audio towers of multimodal checkpoints have layer lists too; mlx-lm's text models drop them.
+_TOWER = re.compile(r"(?:^|\.)(vision\w*|visual|audio\w*|image\w*|mm_projector|multi_modal_projector)\.")
+# What embeds tokens (or positions) before the first layer, by module name; embed_out is gpt-neox's head.
+_EMBEDDING = re.compile(
+    r"(?:^|\.)(embed_tokens\w*|embed_in|embed|embedding|embeddings|\w+_embeddings|wte|wpe|embd)\."
+)
+# What multiplies by the vocabulary at the end: its absence means the embedding does (tied).
+_HEAD_MATRIX = re.compile(r"(?:^|\.)(lm_head|output|embed_out)(\.|$)")
+# MLA attentions that cache the decompressed keys and values of every head, not the latent.
+_MLA_DECOMPRESSED = frozenset({"deepseek_v2", "minicpm3", "youtu_llm"})
+# Attentions that cache every head, whatever num_key_value_heads says.
+_EVERY_HEAD_CACHED = frozenset({"gpt2", "gpt_neox"})
+
+
+OLD_REPORT = "unknown: an old report without the layer shapes"
+# The blocks compute/tensor_parallel.py was written and checked for; others keep whole layers.
+TENSOR_PARALLEL_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# A llama-shaped layer's tensors, relative to the layer: what split_block slices, and what every member keeps.
+_SPLIT_TENSOR = re.compile(
+    r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.(weight|bias|scales|biases)"
+    r"|(input_layernorm|post_attention_layernorm)\.(weight|bias)|self_attn\.[qk]_norm\.weight"
+    r"|self_attn\.rotary_emb\.inv_freq"
+)
+_SPLIT_NEEDS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")
+)
 
 
 class ModelFootprint(BaseModel):
@@ -48,6 +85,18 @@ class ModelFootprint(BaseModel):
     head_dim: int = Field(0, ge=0)
     intermediate_size: int = Field(0, ge=0)
     quant_group: int = Field(0, ge=0)  # affine quantization's group size (0: float weights)
+    # "" where a tensor-parallel group can split every layer (compute/tensor_parallel.py), else why not.
+    tensor_split: str = OLD_REPORT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_reports(cls, data: Any) -> Any:
+        # Reports from before this field came only from llama, qwen2 and qwen3, the architectures split_block
+        # splits: those that carry the shapes may split as they did; without the shapes nothing is checked.
+        if isinstance(data, Mapping) and "tensor_split" not in data:
+            shapes = all(data.get(k) for k in ("heads", "kv_heads", "head_dim", "intermediate_size"))
+            return {**data, "tensor_split": "" if shapes else OLD_REPORT}
+        return data
 
     @model_validator(mode="after")
     def _one_size_per_layer(self) -> ModelFootprint:
@@ -60,8 +109,15 @@ class ModelFootprint(BaseModel):
         return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes
 
 
-def _tensor_sizes(path: Path) -> dict[str, tuple[str, int]]:
-    """tensor name -> (dtype, bytes), from the header alone."""
+@dataclass(frozen=True)
+class _HeaderEntry:
+    dtype: str
+    nbytes: int  # as stored (data_offsets): packed quantized weights count as what they are
+    shape: tuple[int, ...]
+
+
+def _tensors(path: Path) -> dict[str, _HeaderEntry]:
+    """tensor name -> what its header says, from the header alone."""
     try:
         with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
@@ -69,44 +125,176 @@ def _tensor_sizes(path: Path) -> dict[str, tuple[str, int]]:
                 raise ValueError(f"header length {length} is implausible")
             header = json.loads(f.read(length))
         header.pop("__metadata__", None)
-        return {name: (e["dtype"], e["data_offsets"][1] - e["data_offsets"][0]) for name, e in header.items()}
+        return {
+            name: _HeaderEntry(e["dtype"], e["data_offsets"][1] - e["data_offsets"][0], tuple(e["shape"]))
+            for name, e in header.items()
+        }
     except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise CorruptModelError(f"{path.name}: unreadable safetensors header ({e})") from e
+
+
+def _first(config: Mapping[str, Any], *keys: str) -> int | None:
+    """The first of `keys` that config.json sets, as an int (a per-layer list: its largest entry)."""
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            value = max(value)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return int(value)
+    return None
+
+
+# Each figure's names in the config.json of mlx-lm's architectures, the usual one first.
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_transformer_layers")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "model_dim", "dim", "hidden_dim")
+_HEADS_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "num_query_heads")
+_KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+
+
+@dataclass
+class _Layers:
+    """Where the layers of mlx-lm's Model `layers` are, in the tensor names."""
+
+    base: str  # the name up to the layer list's own name: "model.", "language_model.model.", ""
+    name: str  # the layer list's name: layers, h, blocks
+    main: int  # entries of that list (kv_reuse_layers follow them)
+
+    def index(self, tensor: str) -> tuple[int, str] | None:
+        """(layer, the name within the layer) of a layer tensor, else None."""
+        m = _LAYER_LIST.search(tensor)
+        if m is None or _TOWER.search(tensor[: m.start()] + "."):
+            return None
+        base = tensor[: m.start() + 1] if m.start() else ""
+        if base != self.base:
+            return None
+        if m.group(1) == self.name:
+            return int(m.group(2)), tensor[m.end() :]
+        if m.group(1) == _APPENDED_LIST and self.name == "layers":
+            return self.main + int(m.group(2)), tensor[m.end() :]
+        return None
+
+
+def _find_layers(names: list[str]) -> _Layers | None:
+    """The layer list: the one with the most entries (a multimodal checkpoint's towers set aside)."""
+    lists: dict[tuple[str, str], set[int]] = {}
+    for tensor in names:
+        m = _LAYER_LIST.search(tensor)
+        if m is None or m.group(1) == _APPENDED_LIST or _TOWER.search(tensor[: m.start()] + "."):
+            continue
+        base = tensor[: m.start() + 1] if m.start() else ""
+        lists.setdefault((base, m.group(1)), set()).add(int(m.group(2)))
+    if not lists:
+        return None
+    (base, name), indices = max(lists.items(), key=lambda item: (len(item[1]), item[0][1] == "layers"))
+    return _Layers(base, name, max(indices) + 1)
+
+
+def _kv_elements(config: Mapping[str, Any], arch: str, shape: tuple[int, int, int], within: set[str]) -> int:
+    """An upper bound of the elements one token's keys and values take in one layer's cache: a full
+    attention's (a sliding window's takes no more; a recurrent state is per sequence, not per token).
+    `shape` is (heads, kv_heads, head_dim); `within` the names of the layers' tensors, within a layer."""
+    heads, kv_heads, head_dim = shape
+    rank = _first(config, "kv_lora_rank")
+    if rank and any("kv_a_proj_with_mqa" in n for n in within):  # multi-head latent attention
+        rope = _first(config, "qk_rope_head_dim") or 0
+        if arch in _MLA_DECOMPRESSED:
+            key = (_first(config, "qk_nope_head_dim") or head_dim) + rope
+            return heads * (key + (_first(config, "v_head_dim") or head_dim))
+        # mlx-lm caches the latent and the rope keys; a sparse attention's indexer, its keys besides.
+        indexer = _first(config, "index_head_dim") if any("indexer." in n for n in within) else 0
+        return rank + rope + 2 * (indexer or 0)
+    if arch in _EVERY_HEAD_CACHED:
+        kv_heads = max(heads, kv_heads)
+    return 2 * kv_heads * head_dim
+
+
+def _attentions_per_layer(config: Mapping[str, Any], arch: str) -> int:
+    if arch.startswith("longcat_flash"):
+        return 2  # two attentions a layer, each with its cache
+    if arch == "iquestloopcoder":
+        return _first(config, "loop_num") or 2  # every loop caches its own keys and values
+    return 1
+
+
+def _split_refusal(
+    arch: str, config: Mapping[str, Any], per_layer: list[dict[str, _HeaderEntry]], head_dim: int
+) -> str:
+    """Why a tensor-parallel group cannot split this model's layers, or "" where it can."""
+    if arch not in TENSOR_PARALLEL_ARCHITECTURES:
+        return f"tensor-parallel groups split {', '.join(TENSOR_PARALLEL_ARCHITECTURES)} layers, not {arch}'s"
+    if any(t != "full_attention" for t in config.get("layer_types") or []):
+        return "sliding-window layers: tensor-parallel groups split full-attention layers only"
+    for tensors in per_layer:
+        for name, t in sorted(tensors.items()):
+            if not _SPLIT_TENSOR.fullmatch(name):
+                module = name.rsplit(".", 1)[0]
+                return f"layers hold tensors a tensor-parallel group does not split ({module})"
+            if "_norm." in name and t.shape != (head_dim,):  # a norm over all heads cannot be split by head
+                return f"{name} normalises {t.shape}, not each head's {head_dim}"
+        if missing := [n for n in _SPLIT_NEEDS if n not in tensors]:
+            return f"layers lack {missing[0].rsplit('.', 1)[0]}, which a tensor-parallel group splits"
+    return ""
 
 
 def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootprint:
     """Footprint of an mlx-lm model directory. Raises CorruptModelError for unusable files."""
     model_dir = Path(model_dir)
     try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        vocab = int(config["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        top = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        # Multimodal and wrapper configs keep the language model's figures in text_config.
+        text = top.get("text_config")
+        config: dict[str, Any] = {**top, **text} if isinstance(text, dict) else dict(top)
+        model_type = str(top.get("model_type") or "")
+        hidden = _first(config, *_HIDDEN_KEYS)
+        if hidden is None:
+            raise KeyError("hidden_size")
+        heads = _first(config, *_HEADS_KEYS) or 0
+        kv_heads = _first(config, *_KV_HEADS_KEYS) or heads
+        head_dim = _first(config, "head_dim", "kv_channels") or (hidden // heads if heads else 0)
+        vocab = _first(config, "vocab_size", "padded_vocab_size", "n_vocab", "num_vocab")
+        count_key = next((k for k in _LAYER_COUNT_KEYS if _first(config, k)), None)
+        stated = _first(config, count_key) if count_key else None
+        # Next-token-prediction layers follow the last layer in some checkpoints; mlx-lm drops them.
+        predicting = _first(config, "num_nextn_predict_layers") or 0
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptModelError(f"{model_dir.name}: config.json is unusable ({e})") from e
     files = sorted(model_dir.glob("model*.safetensors"))  # what mlx-lm loads, nothing else
     if not files:
         raise CorruptModelError(f"{model_dir.name}: no model*.safetensors weight file")
-    # Sizes are the stored bytes (data_offsets): packed quantized weights count as what they are.
-    layer_bytes, embed, head, activation_dtypes = [0] * layers, 0, 0, set[str]()
-    tensors: set[str] = set()
-    by_dtype: dict[str, int] = {}
+    tensors: dict[str, _HeaderEntry] = {}
     for path in files:
-        for tensor, (dtype, size) in _tensor_sizes(path).items():
-            tensors.add(tensor)
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + size
-            if m := _LAYER_TENSOR.match(tensor):
-                if (i := int(m.group(1))) >= layers:
-                    raise CorruptModelError(f"{path.name}: {tensor} but num_hidden_layers is {layers}")
-                layer_bytes[i] += size
-                activation_dtypes.add(dtype)
-            elif tensor.startswith("model.embed_tokens."):
-                embed += size
-                activation_dtypes.add(dtype)
-            else:  # model.norm.*, lm_head.*, and anything unexpected: counted once, on the last stage
-                head += size
+        tensors.update(_tensors(path))
+    where = _find_layers(sorted(tensors))
+    if where is None:
+        raise CorruptModelError(f"{model_dir.name}: no layer tensors (model.layers.N. or the like)")
+    indexed = {t: where.index(t) for t in tensors}
+    found = 1 + max(i[0] for i in indexed.values() if i is not None)
+    layers = stated or found
+    per_layer: list[dict[str, _HeaderEntry]] = [{} for _ in range(layers)]
+    layer_bytes, embed, head, activation_dtypes = [0] * layers, 0, 0, set[str]()
+    by_dtype: dict[str, int] = {}
+    for tensor, t in tensors.items():
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+        if (at := indexed[tensor]) is not None:
+            i, within = at
+            if i >= layers + predicting:
+                raise CorruptModelError(f"{model_dir.name}: {tensor} but {count_key} is {layers}")
+            if i >= layers:
+                continue
+            layer_bytes[i] += t.nbytes
+            per_layer[i][within] = t
+            activation_dtypes.add(t.dtype)
+        elif _EMBEDDING.search(tensor) and not _HEAD_MATRIX.search(tensor):
+            embed += t.nbytes
+            activation_dtypes.add(t.dtype)
+        else:  # the final norm, lm_head, and anything unexpected: counted once, on the last stage
+            head += t.nbytes
+    if vocab is None:  # the embedding's rows
+        embedding = [t for n, t in tensors.items() if indexed[n] is None and _EMBEDDING.search(n)]
+        rows = [t.shape[0] for t in embedding if t.shape]
+        if not rows:
+            raise CorruptModelError(f"{model_dir.name}: config.json is unusable (no vocab_size)")
+        vocab = max(rows)
     # The KV cache takes the activations' dtype, which MLX promotes to the widest float the embedding and
     # the layers compute with: their float weights, norms, and quantized layers' scales (a quantized layer
     # outputs its scales' dtype, or the input's if wider). Packed integer weights (U32) say nothing: an
@@ -114,24 +302,30 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
     # bfloat16 model keeps bfloat16 everywhere.
     floats = [_FLOAT_BYTES[d] for d in activation_dtypes if d in _FLOAT_BYTES]
     kv_dtype = max(floats, default=4)
+    arch = mlx_lm_architecture(model_type) or model_type
+    within = {n for tensors in per_layer for n in tensors}
+    kv = _kv_elements(config, arch, (heads, kv_heads, head_dim), within) * _attentions_per_layer(config, arch)
+    head_matrix = any(_HEAD_MATRIX.search(t) for t, at in indexed.items() if at is None)
     return ModelFootprint(
         name=name or model_dir.name,
         layers=layers,
         layer_bytes=layer_bytes,
         embed_bytes=embed,
         head_bytes=head,
-        # mlx-lm ties by default (and drops lm_head) for llama/qwen2, so a missing flag means "no lm_head".
-        tied=bool(config.get("tie_word_embeddings", "lm_head.weight" not in tensors)),
-        kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * kv_dtype,
+        # Without an lm_head mlx-lm multiplies by the embedding, whatever the flag says (gemma, cohere).
+        tied=bool(config.get("tie_word_embeddings")) or not head_matrix,
+        kv_bytes_per_token_per_layer=kv * kv_dtype,
         # As the engine: no stated limit means none, and the KV reservation falls back to its default.
-        context_length=int(config.get("max_position_embeddings") or 2**31),
+        context_length=_first(config, "max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+        or 2**31,
         hidden_size=hidden,
         vocab_size=vocab,
-        weight_format=describe_weights(model_dir, config, by_dtype),
+        weight_format=describe_weights(model_dir, top, by_dtype),
         layer_overhead_bytes=LAYER_OVERHEAD_BYTES,
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(config.get("intermediate_size") or 0),
-        quant_group=int((config.get("quantization") or {}).get("group_size") or 0),
+        intermediate_size=_first(config, "intermediate_size") or 0,
+        quant_group=int((top.get("quantization") or {}).get("group_size") or 0),
+        tensor_split=_split_refusal(arch, config, per_layer, head_dim),
     )

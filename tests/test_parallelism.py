@@ -74,3 +74,12 @@ def test_groups_must_fit_each_members_memory():
     # Too small for a member's half of the layers plus the face's embedding and head: no group fits.
     tight = estimate(fp, nodes(2, fp.weight_bytes * 0.3 / 1e9), 1, 2, LOOPBACK, PlacementRequest())
     assert not tight.fits and "offers" in tight.why_not
+
+
+def test_layers_a_group_does_not_split_keep_the_pipeline_and_say_why():
+    # The large model that gets groups above, were its layers experts: the candidates say why not.
+    why = "layers hold tensors a tensor-parallel group does not split (mlp.switch_mlp.gate_proj)"
+    fp = synth_footprint(BENCH_SPEC).model_copy(update={"tensor_split": why})
+    choice = decide(fp, 2, LOOPBACK)
+    assert choice.group == 1 and "no group layout fits or splits" in choice.explanation
+    assert "1 stage x groups of 2: " in choice.explanation and f"not possible: {why}" in choice.explanation

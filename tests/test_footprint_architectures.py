@@ -1,9 +1,10 @@
 """Footprints of every architecture of mlx-lm: layer i is mlx-lm's `model.layers[i]`, every byte counted
 once, a KV figure that bounds what mlx-lm's caches take, and which layers a tensor-parallel group splits.
 
-The tiny models of testing/arch_zoo.py are written with mlx-lm's own parameter names (those sanitize gives),
-so every layer's bytes are checked against mlx-lm's module. Checkpoints as published name some tensors
-otherwise (multimodal prefixes, towers, next-token-prediction layers): a few are written by hand here.
+The tiny models of testing/arch_zoo.py are written with mlx-lm's own parameter names (those sanitize gives)
+and loaded back by mlx-lm's loader, so every layer's bytes are checked against the module a stage loads.
+Checkpoints as published name some tensors otherwise (multimodal prefixes, towers, next-token-prediction
+layers): a few are written by hand here.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ with mx.stream(mx.cpu):
 @dataclass(frozen=True)
 class Written:
     path: Path
-    layer_bytes: list[int]  # nbytes of mlx-lm's model.layers[i]'s parameters
+    layer_bytes: list[int]  # nbytes of model.layers[i]'s parameters, as mlx-lm loads the directory
     total_bytes: int
     attention: bool  # mlx-lm makes a KV cache (full or sliding) for some layer
 
@@ -69,16 +70,19 @@ def _attention_caches(model: object) -> bool:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Written]:
     """Every architecture that builds, written once (olmo needs a package this environment lacks, and
-    prism_hadamard_qwen35 a Hadamard pack: they do not build)."""
+    prism_hadamard_qwen35 a Hadamard pack: they do not build), and loaded back by mlx-lm's own loader, its
+    sanitize included: the model a stage loads."""
+    from mlx_lm.utils import load_model
+
     root = tmp_path_factory.mktemp("zoo")
     written = {}
     with mx.stream(mx.cpu):
         for arch in arch_zoo.architectures():
             try:
-                model, _ = arch_zoo.build(arch)
                 path = arch_zoo.write(arch, root / arch)
             except Exception:
                 continue
+            model, _ = load_model(path, lazy=True)
             sizes = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in model.layers]
             total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
             written[arch] = Written(path, sizes, total, _attention_caches(model))

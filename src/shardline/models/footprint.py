@@ -40,7 +40,7 @@ _EMBEDDING = re.compile(
     r"(?:^|\.)(embed_tokens\w*|embed_in|embed|embedding|embeddings|\w+_embeddings|wte|wpe|embd)\."
 )
 # What multiplies by the vocabulary at the end: its absence means the embedding does (tied).
-_HEAD_MATRIX = re.compile(r"(?:^|\.)(lm_head|output|embed_out)(\.|$)")
+_HEAD_MATRIX = re.compile(r"(?:^|\.)(lm_head|output|output_layer|embed_out)(\.|$)")
 # MLA attentions that cache the decompressed keys and values of every head, not the latent.
 _MLA_DECOMPRESSED = frozenset({"deepseek_v2", "minicpm3", "youtu_llm"})
 # Attentions that cache every head, whatever num_key_value_heads says.

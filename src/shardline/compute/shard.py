@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,62 +19,87 @@ from mlx_lm.utils import load_config, load_model
 
 from shardline.compute import attention, quantized, tensor_parallel
 from shardline.compute.batched import DecodePlan, decode_stack
+from shardline.compute.generic import GenericShard, ZeroEmbedding, layer_list
+from shardline.compute.layer_range import LayerRange, split_layers
 from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.compute.paged_kv import PagedKV
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
 from shardline.models.store.files import SHARD_MANIFEST
 from shardline.models.store.verify import missing_tensors
+from shardline.models.validate import mlx_lm_architecture
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+__all__ = ["FastShard", "GenericShard", "LayerRange", "Shard", "load_shard", "split_layers"]
 
 
 class UnsupportedArchitectureError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class LayerRange:
-    start: int
-    end: int  # exclusive
-    total: int
+class Shard(Protocol):
+    """A stage's slice of a model, as runner/stage.py drives it: `FastShard` (llama-shaped blocks in
+    native ops over paged KV) or `GenericShard` (any mlx-lm architecture through its own forward)."""
+
+    path: str  # "fast" or "generic"
+    prefix_reason: str  # why the prefix cache cannot share its blocks ("" when it can)
+    range: LayerRange
+    config: dict
+    member: int
+    face: bool
+    emits: bool
+    head_split: int
+    hidden_size: int
+    layers: list[Any]
+
+    def make_cache(self, block: int, shared: list[list[tuple[mx.array, mx.array]]] | None = None) -> Any: ...
+    def forward(self, x: mx.array, cache: Any) -> mx.array: ...
+    def forward_rows(self, x: mx.array, caches: list[Any]) -> mx.array: ...
+    def finish_head(self, packed: mx.array) -> mx.array: ...
+    def join_group(self, reduce: Any, gather: Any = None) -> None: ...
+    def weight_bytes(self) -> int: ...
+
+
+class PagedCaches(list):
+    """A request's paged caches on a fast stage, one per layer, with what a stage asks of any request's
+    caches (its position, a block's arrays, the arrays it holds)."""
 
     @property
-    def is_first(self) -> bool:
-        return self.start == 0
+    def offset(self) -> int:
+        return self[0].offset
+
+    def seal(self, index: int, block: int) -> list[tuple[mx.array, mx.array]]:
+        return [c.block_pair(index) for c in self]
+
+    def arrays(self) -> Iterator[mx.array]:
+        for c in self:
+            yield from c.blocks_held()
 
     @property
-    def is_last(self) -> bool:
-        return self.end == self.total
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self)
 
-
-def split_layers(total: int, stages: int) -> list[LayerRange]:
-    """Even contiguous split; earlier stages take the remainder (the last one also holds the head)."""
-    if not 1 <= stages <= total:
-        raise ValueError(f"cannot split {total} layers into {stages} stages")
-    base, extra = divmod(total, stages)
-    ranges, start = [], 0
-    for s in range(stages):
-        size = base + (1 if s < extra else 0)
-        ranges.append(LayerRange(start, start + size, total))
-        start += size
-    return ranges
+    def bytes_per_token(self) -> int:
+        return self.nbytes // self[0].block if self else 0
 
 
 def check_architecture(config: dict) -> None:
+    """Refuse a model_type the installed mlx-lm has no architecture for, in one line."""
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if any(t != "full_attention" for t in config.get("layer_types") or []):
-        raise UnsupportedArchitectureError("sliding-window layers are not supported yet")
+    if not isinstance(model_type, str) or mlx_lm_architecture(model_type) is None:
+        raise UnsupportedArchitectureError(f"model_type {model_type!r} is not an architecture of mlx-lm")
 
 
-class Shard:
-    """Runs chunks of one request through this stage's layers with that request's KV cache."""
+class FastShard:
+    """Llama-shaped blocks (compute/batched.py) over paged KV: runs chunks of one request through this
+    stage's layers with that request's KV cache, and decode rows of several requests at once."""
 
-    def __init__(self, model: nn.Module, layers: LayerRange, config: dict, member: int = 0) -> None:
+    path = "fast"
+    prefix_reason = ""
+    why_generic = ""
+
+    def __init__(
+        self, model: nn.Module, layers: LayerRange, config: dict, member: int = 0, blocks: list | None = None
+    ) -> None:
         self.model = model
         self.range = layers
         self.config = config
@@ -83,7 +110,7 @@ class Shard:
         inner = model.model
         keep_embed = layers.is_first or (layers.is_last and self.tied and self.face)
         self.embed = getattr(inner, "embed_tokens", None) if keep_embed else None
-        self.layers = list(inner.layers)
+        self.layers = list(inner.layers) if blocks is None else blocks
         # An untied head splits by vocabulary rows across a last stage's group (split_head at load): each
         # member computes its rows' logits, and the face gathers them (join_group's `gather`).
         self.vocab_split = layers.is_last and "lm_head" in model and getattr(model, "vocab_split", False)
@@ -161,14 +188,14 @@ class Shard:
 
     def make_cache(
         self, block: int, shared: list[list[tuple[mx.array, mx.array]]] | None = None
-    ) -> list[PagedKV]:
+    ) -> PagedCaches:
         """A request's caches, one per layer, in blocks of `block` positions; shared[j]: the full blocks
         layer j starts from (held by others too, never written)."""
         if shared is None:
-            return [PagedKV(block) for _ in self.layers]
+            return PagedCaches(PagedKV(block) for _ in self.layers)
         if len(shared) != len(self.layers):
             raise ValueError(f"shared blocks for {len(shared)} layers, this stage has {len(self.layers)}")
-        return [PagedKV(block, blocks) for blocks in shared]
+        return PagedCaches(PagedKV(block, blocks) for blocks in shared)
 
     def forward(self, x: mx.array, cache: list[PagedKV] | list[kv_cache.KVCache]) -> mx.array:
         """x: token ids (1, n) on the first stage, hidden states (1, n, D) elsewhere.
@@ -230,18 +257,79 @@ class Shard:
 
 
 def _check_partial(model: nn.Module, model_dir: Path, layers: LayerRange) -> None:
-    """Lenient loading leaves a tensor absent from the files randomly initialised: refuse that instead."""
+    """Lenient loading leaves a tensor absent from the files randomly initialised: refuse that instead.
+    Run on the stage's model as rewritten (generic.StageLayer): held layer i's tensors are
+    `...layers.i.layer.*`; before the last stage, nothing outside the layers but the embedding is read."""
     wanted = {}
     for name, value in tree_flatten(model.parameters()):
-        # The layer list was sliced: layer j here is layer start + j in the files.
-        if m := re.match(r"model\.layers\.(\d+)\.(.*)", name):
-            name = f"model.layers.{int(m[1]) + layers.start}.{m[2]}"
-        wanted[name] = tuple(value.shape)
+        held = re.sub(r"\.layers\.(\d+)\.layer\.", r".layers.\1.", name)
+        inside = held != name
+        if inside or layers.is_last or (layers.is_first and "embed" in name):
+            wanted[held] = tuple(value.shape)
     if missing := missing_tensors(model_dir, wanted):
         raise CorruptModelError(
             f"{model_dir} holds a partial model without {len(missing)} tensor(s) that layers "
             f"[{layers.start}, {layers.end}) need, e.g. {missing[0]}: fetch this stage's range instead"
         )
+
+
+def fast_structure(model: nn.Module, blocks: list[Any]) -> str:
+    """Why this model's blocks cannot take the fast path, from their structure ("" when they might: the
+    numeric check against the generic path, `fast_check`, decides)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "layers")):
+        return "its model is not laid out as model.{embed_tokens, layers, norm}"
+    if hasattr(model, "make_cache"):
+        kinds = {type(c).__name__ for c in model.make_cache()}
+        if kinds != {"KVCache"}:
+            return f"its layers keep {', '.join(sorted(kinds))}, not one full-attention KV cache each"
+    for block in blocks:
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
+            return "its blocks are not self_attn (q/k/v/o projections, rope) + mlp"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "its MLP is not gate/up/down"
+        if not all(hasattr(block, n) for n in ("input_layernorm", "post_attention_layernorm")):
+            return "its blocks do not normalise as input/post-attention norms"
+        extra = set(block.children()) - {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+        if extra:
+            return f"its blocks hold {', '.join(sorted(extra))} besides attention and MLP"
+    return ""
+
+
+FAST_TOLERANCE = 2e-3  # of the largest output: the same functions (llama q4 measured 1.1e-4); a skipped
+# scale or multiplier (gemma, granite) is off by O(1)
+
+
+def fast_check(fast: FastShard, generic: GenericShard, block: int) -> str:
+    """ "" when the fast path computes what the model's own forward computes on this stage (a prefill of a
+    few positions, then two decode positions, from the same inputs), else how far apart they are."""
+    vocab = int(fast.config.get("vocab_size") or 2)
+    key = mx.random.key(7)
+
+    def inputs(n: int, salt: int) -> mx.array:
+        if fast.range.is_first:
+            return mx.array([[(31 * i + 7 * salt + 3) % vocab for i in range(n)]], dtype=mx.int32)
+        h = mx.random.normal((1, n, fast.hidden_size), key=mx.random.split(key, 3)[salt])
+        return h.astype(generic.activation_dtype)
+
+    split, fast.head_split = fast.head_split, 0  # compare whole logits
+    try:
+        fc, gc_ = fast.make_cache(block), generic.make_cache(block)
+        worst = 0.0
+        for salt, n in enumerate((5, 1, 1)):
+            x = inputs(n, salt)
+            a, b = fast.forward(x, fc), generic.forward(x, gc_)
+            mx.eval(a, b)
+            scale = max(float(mx.max(mx.abs(b)).item()), 1e-6)
+            gap = mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)))
+            worst = max(worst, float(gap.item()) / scale)
+    finally:
+        fast.head_split = split
+    if worst > FAST_TOLERANCE or worst != worst:
+        return f"the fast path differs from the model's own forward by {worst:.1e} of its largest output"
+    return ""
 
 
 def load_shard(
@@ -252,51 +340,83 @@ def load_shard(
     group: int = 1,
 ) -> Shard:
     """Materialise only this stage's weights (member `member`'s share of them, in a tensor-parallel group of
-    `group`): everything else stays a lazy, never-read array."""
+    `group`): everything else stays a lazy, never-read array. The stage takes the fast path where its blocks
+    are llama-shaped and compute what the model's own forward computes (`fast_check`), else the generic one;
+    `shard.why_generic` says why. `SHARDLINE_FAST=0` keeps every stage generic."""
     config = load_config(Path(model_dir))
     check_architecture(config)
-    if group > 1:
-        tensor_parallel.check_split(config, group)
     # A stage directory fetched from a peer (cluster/weights/) holds only its own tensors, which strict
     # loading refuses; load it leniently, then require every tensor this stage keeps (_check_partial).
     partial = (Path(model_dir) / SHARD_MANIFEST).is_file()
     model, config = load_model(Path(model_dir), lazy=True, strict=not partial)
-    total = len(model.model.layers)
+    listed = layer_list(model)
+    total = len(listed)
     layers = layers or LayerRange(0, total, total)
     if layers.total != total:
         raise ValueError(f"layer range for {layers.total} layers, model has {total}")
+    blocks = listed[layers.start : layers.end]
+    why = "SHARDLINE_FAST=0" if os.environ.get("SHARDLINE_FAST") == "0" else fast_structure(model, blocks)
+    if group > 1:
+        if why:
+            raise UnsupportedArchitectureError(f"tensor-parallel groups need llama-shaped blocks: {why}")
+        tensor_parallel.check_split(config, group)
+    on_cpu = mx.default_device() == mx.cpu
+    generic = GenericShard(model, config, layers)
+    if partial:
+        _check_partial(model, Path(model_dir), layers)
+    for layer in blocks:  # one layer at a time: only this member's slice is ever read in full
+        tensor_parallel.split_block(layer, member, group)
+        if on_cpu:
+            if not why:  # llama-shaped blocks call their projections and nothing else reads them
+                make_input_major(layer)
+            make_cpu_quantized(layer)
+        mx.eval(layer.parameters())
+    if why:
+        if on_cpu:  # the embedding and an untied head too, where quantized
+            make_cpu_quantized(model)
+        mx.eval(model.parameters())
+        gc.collect()
+        generic.why_generic = why
+        return generic
+    fast = _fast(model, config, layers, member, group, blocks, score_budget)
+    if group == 1 and (why := fast_check(fast, generic, 4)):
+        generic.why_generic = why
+        return generic
+    gc.collect()
+    return fast
+
+
+def _fast(
+    model: nn.Module,
+    config: dict,
+    layers: LayerRange,
+    member: int,
+    group: int,
+    blocks: list[Any],
+    score_budget: int | None,
+) -> FastShard:
     inner = model.model
-    inner.layers = inner.layers[layers.start : layers.end]
     face = member == 0
-    keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings and face)
-    if not keep_embed:
-        del inner.embed_tokens
     vocab = int(config.get("vocab_size") or 0)
     vocab_split = group > 1 and layers.is_last and "lm_head" in model and vocab % group == 0
+    if vocab_split:  # each member reads and computes its rows of the head (tensor_parallel.split_head)
+        tensor_parallel.split_head(model.lm_head, member, group)
+        model.vocab_split = True
+    module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
+    attention.install(module, score_budget or attention.DEFAULT_SCORE_BUDGET)
+    keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings and face)
+    if mx.default_device() == mx.cpu:
+        if layers.is_last and "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head
+            model.lm_head = InputMajorLinear.of(model.lm_head)
+        elif layers.is_last and "lm_head" in model:
+            model.lm_head = cpu_quantized(model.lm_head)
+        if keep_embed:  # a tied quantized head runs as the embedding's as_linear
+            inner.embed_tokens = cpu_quantized(inner.embed_tokens)
+    if not keep_embed and not isinstance(inner.embed_tokens, ZeroEmbedding):  # a group member's
+        inner.embed_tokens = ZeroEmbedding(int(config["hidden_size"]), mx.float32)
     if not layers.is_last or not (face or vocab_split):
         del inner.norm
         if "lm_head" in model:
             del model.lm_head
-    if vocab_split:  # each member reads and computes its rows of the head (tensor_parallel.split_head)
-        tensor_parallel.split_head(model.lm_head, member, group)
-        model.vocab_split = True
-    if partial:
-        _check_partial(model, Path(model_dir), layers)
-    module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
-    attention.install(module, score_budget or attention.DEFAULT_SCORE_BUDGET)
-    for layer in inner.layers:  # one layer at a time: only this member's slice is ever read in full
-        tensor_parallel.split_block(layer, member, group)
-        if mx.default_device() == mx.cpu:
-            make_input_major(layer)
-            make_cpu_quantized(layer)
-        mx.eval(layer.parameters())
-    if mx.default_device() == mx.cpu:
-        if "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head
-            model.lm_head = InputMajorLinear.of(model.lm_head)
-        elif "lm_head" in model:
-            model.lm_head = cpu_quantized(model.lm_head)
-        if keep_embed:  # a tied quantized head runs as the embedding's as_linear
-            inner.embed_tokens = cpu_quantized(inner.embed_tokens)
     mx.eval(model.parameters())
-    gc.collect()
-    return Shard(model, layers, config, member)
+    return FastShard(model, layers, config, member, blocks)

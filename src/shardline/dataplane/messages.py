@@ -251,6 +251,7 @@ class LeaderBeat(Wire):
     prefix_hits: int = 0
     prefix_blocks: int = 0
     prefix_block_tokens: int = 0
+    prefix_off: str = ""  # why this model keeps no prefix cache ("" when it may)
     # front -> newest control seq that reached the leader's process (on arrival, before it is processed);
     # None from an older leader: the front then cannot tell a lost Submit from a slow one
     received: dict[str, int] | None = None

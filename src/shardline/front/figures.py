@@ -27,6 +27,7 @@ class LeaderFigures:
     prefix_hits: int = 0
     prefix_blocks: int = 0
     prefix_block_tokens: int = 0
+    prefix_off: str = ""
     _generation: int | None = None
     _leader: dict[str, int] = field(default_factory=dict)  # the serving leader's own counts, last beat
 
@@ -39,6 +40,7 @@ class LeaderFigures:
         self.prefix_hits += self._grown("prefix_hits", beat.prefix_hits)
         self.prefix_blocks = beat.prefix_blocks
         self.prefix_block_tokens = beat.prefix_block_tokens
+        self.prefix_off = beat.prefix_off
         self.running = beat.running
         self.waiting = len(beat.requests) - beat.running
         now = time.monotonic() if now is None else now

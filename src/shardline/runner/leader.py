@@ -118,8 +118,13 @@ class Leader:
         self.kv_bytes_per_token = per_layer * self.spec.layer_total
         # KV reservations and the prefix cache, in blocks of one prefill chunk (the stages' KV blocks).
         block = self.spec.prefill_step
+        # Every stage of a model tells the same: the reason comes from the model's cache kinds.
+        self.prefix_off = self.stage.shard.prefix_reason if self.spec.prefix_cache else ""
         self.ledger = PrefixLedger(
-            block, block * self.kv_bytes_per_token, self.spec.kv_budget_bytes, self.spec.prefix_cache
+            block,
+            block * self.kv_bytes_per_token,
+            self.spec.kv_budget_bytes,
+            self.spec.prefix_cache and not self.prefix_off,
         )
         self.seq = 0
         self.tick = 0
@@ -615,6 +620,7 @@ class Leader:
             prefix_hits=ledger.hits,
             prefix_blocks=len(ledger.blocks),
             prefix_block_tokens=ledger.block if ledger.enabled else 0,
+            prefix_off=self.prefix_off,
         )
         self.emit(beat)
         # Each front's own beat, behind its requests' ends on its reply key: only there can a front tell a

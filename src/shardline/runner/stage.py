@@ -222,9 +222,9 @@ class StageCompute:
             raise ProtocolError(
                 f"step at {step.pos} of {step.n} positions cannot fill one block of {self.block}"
             )
-        if cache is not None and cache[0].offset != step.pos:
+        if cache is not None and cache.offset != step.pos:
             raise ProtocolError(
-                f"request {step.request_id}: step at position {step.pos}, cache holds {cache[0].offset}"
+                f"request {step.request_id}: step at position {step.pos}, cache holds {cache.offset}"
             )
         if x.ndim < 2 or x.shape[1] != step.n or step.n < 1:
             raise ProtocolError(f"step says {step.n} positions, tensor has shape {list(x.shape)}")
@@ -237,8 +237,8 @@ class StageCompute:
             raise ProtocolError(f"batched step {step.seq} names a request twice")
         for r in step.rows:
             cache = self.caches.get(r.request_id)
-            if cache is None or cache[0].offset != r.pos:
-                held = "no cache" if cache is None else f"cache holds {cache[0].offset}"
+            if cache is None or cache.offset != r.pos:
+                held = "no cache" if cache is None else f"cache holds {cache.offset}"
                 raise ProtocolError(f"request {r.request_id}: batched row at position {r.pos}, {held}")
             if self.samples and r.sample and r.request_id not in self.held:
                 raise ProtocolError(
@@ -271,7 +271,7 @@ class StageCompute:
         mx.eval(y)
         if step.seal is not None:
             index = step.pos // self.block
-            self.store[step.seal] = [c.block_pair(index) for c in cache]
+            self.store[step.seal] = cache.seal(index, self.block)
         return self._done(step, y)
 
     def _run_rows(self, step: Step, x: mx.array) -> tuple[Step | StepResult, mx.array | None]:
@@ -321,9 +321,8 @@ class StageCompute:
         bytes of the blocks the prefix cache keeps."""
         held: dict[int, int] = {}
         for cache in list(self.caches.values()):
-            for c in cache:
-                for a in c.blocks_held():
-                    held[id(a)] = a.nbytes
+            for a in cache.arrays():
+                held[id(a)] = a.nbytes
         cached: dict[int, int] = {}
         for layers in list(self.store.values()):
             for k, v in layers:
@@ -349,8 +348,7 @@ class StageCompute:
             time.sleep(delay())  # an injected slow stage is slow from warm-up on
             timings.append(StepTime(n=n, context=n, seconds=time.monotonic() - started))
             if n == 1:
-                per_stage = sum(c.nbytes for c in cache)
-                self.kv_bytes_per_token = per_stage // cache[0].block  # one block per layer
+                self.kv_bytes_per_token = cache.bytes_per_token()
             del cache
         self.reset_peaks()
         return timings

@@ -25,6 +25,7 @@ COMMON: dict[str, Any] = {
     "hidden_size": HIDDEN,
     "num_hidden_layers": LAYERS,
     "num_layers": LAYERS,
+    "num_transformer_layers": LAYERS,
     "intermediate_size": 2 * HIDDEN,
     "num_attention_heads": HEADS,
     "num_key_value_heads": KV_HEADS,

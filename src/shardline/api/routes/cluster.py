@@ -50,6 +50,7 @@ class Live(BaseModel):
     prefix_hit_rate: float | None = None
     prefix_blocks: int = 0
     prefix_block_tokens: int = 0
+    prefix_off: str = ""  # why the model keeps no prefix cache ("" when it may)
     history: list[LivePoint] = []  # a point every few seconds, oldest first
 
 
@@ -113,6 +114,7 @@ def state_of(service: Service) -> State:
                 prefix_hit_rate=hit_rate(f.figures.prefix_queries, f.figures.prefix_hits),
                 prefix_blocks=f.figures.prefix_blocks,
                 prefix_block_tokens=f.figures.prefix_block_tokens,
+                prefix_off=f.figures.prefix_off,
                 history=history,
             )
         instances.append(InstanceState(**rec.model_dump(), live=live))

@@ -1,0 +1,73 @@
+"""One architecture of each family on real runner processes (S=2): batched requests give each one's own
+tokens, and a runner SIGKILLed mid-decode resumes to the same tokens as single-process mlx-lm.
+
+The every-architecture matrix runs in-process (tests/test_arch_matrix.py); this is what needs processes:
+the ring between stages, batched decode rows over it, and recovery. Each family takes its own path through
+the generic stage: sliding windows (gemma3_text), latent attention with experts (deepseek_v3), experts
+(qwen3_moe), recurrent layers between attention ones (qwen3_next), state-space layers only (mamba2), and a
+dense model whose multipliers the fast path lacks (granite).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, STEP, assert_no_runner_left
+
+from shardline.testing import arch_zoo
+from shardline.testing.reference import Reference
+
+FAMILIES = {
+    "gemma3_text": "sliding window",
+    "deepseek_v3": "MLA+MoE",
+    "qwen3_moe": "MoE",
+    "qwen3_next": "hybrid-recurrent",
+    "mamba2": "SSM",
+    "granite": "dense, generic",
+}
+PROMPTS = [[(7 * i + 3 * k) % 250 + 3 for i in range(20 + k)] for k in range(4)]  # 3 prefill chunks of 8
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[list[int]]]]:
+    """Each family's model directory and mlx-lm's own greedy tokens for every prompt."""
+    root = tmp_path_factory.mktemp("zoo")
+    out = {}
+    for arch in FAMILIES:
+        path = arch_zoo.write(arch, root / arch)
+        ref = Reference(path)
+        out[arch] = (path, [ref.greedy(p, TOKENS)[0] for p in PROMPTS])
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_family_batches_and_resumes_exactly_on_two_stages(zoo, start_engine, arch):
+    path, expected = zoo[arch]
+    engine = start_engine(path, 2, **FAST)
+    assert engine.submit(PROMPTS[0], max_tokens=TOKENS).tokens(timeout=60) == expected[0]
+    handles = [engine.submit(p, max_tokens=TOKENS) for p in PROMPTS]  # decoded together
+    assert [h.tokens(timeout=60) for h in handles] == expected
+    old = engine.runner_pids()
+    got: list[int] = []
+    killed_at = 0.0
+    for tok in engine.submit(PROMPTS[1], max_tokens=TOKENS):
+        got.append(tok.token)
+        if len(got) == 5:
+            killed_at = time.monotonic()
+            os.kill(old[1], signal.SIGKILL)
+    assert got == expected[1]
+    assert engine.recoveries, "the killed runner was never noticed"
+    rec = engine.recoveries[0]
+    assert "stage 1" in rec.why, rec.why
+    assert rec.recovered_at is not None and rec.detected_at >= killed_at
+    assert_no_runner_left(old)
+
+
+def test_prompts_cross_two_chunk_boundaries() -> None:
+    assert all(len(p) > 2 * STEP for p in PROMPTS)

@@ -24,6 +24,7 @@ from itertools import accumulate
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.compute.kv import round_up
+from shardline.compute.pipeline_limits import pipeline_refusal
 from shardline.models.footprint import ModelFootprint
 
 GB = 1e9  # decimal, as memory sizes are quoted ("a 36 GB machine")
@@ -212,14 +213,19 @@ def place(
     hop = request.hop_cost_fraction * c.time(fastest, 0, n) if fastest else 0.0
     singles = [(c.time(x, 0, n), x.node_id, x) for x in order if c.need(0, n) <= x.available_bytes]
     single = min(singles, default=None)
-    kmax = min(len(order), n, request.max_stages or n)
+    # Architectures whose layers hand on more than hidden states run on one stage (compute/pipeline_limits).
+    one_stage = pipeline_refusal(model.model_type, 2)
+    kmax = 1 if one_stage else min(len(order), n, request.max_stages or n)
     bottleneck = _min_bottleneck(c, order, kmax) if kmax >= 2 else math.inf
     if single is not None and single[0] <= bottleneck + hop:
         stages, hop = [(single[2], 0, n)], 0.0
     elif bottleneck < math.inf:
         stages = _balanced(c, order, bottleneck * (1 + keep_slack) if keep else bottleneck, keep)
     else:
-        raise _no_fit(c, order, request, tokens, kmax)
+        error = _no_fit(c, order, request, tokens, kmax)
+        if one_stage:
+            error.args = (f"{error.args[0]}; {one_stage}", *error.args[1:])
+        raise error
     assignments = [
         StageAssignment(
             node_id=x.node_id,

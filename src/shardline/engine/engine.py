@@ -25,6 +25,7 @@ from pydantic import Field
 from shardline.cluster.keys import ClusterKeys
 from shardline.cluster.placement import split_for_stages
 from shardline.compute import tensor_parallel
+from shardline.compute.pipeline_limits import pipeline_refusal
 from shardline.compute.shard import check_architecture
 from shardline.controller.controller import InstanceController, Launch
 from shardline.controller.state import ControllerConfig, Failure
@@ -131,6 +132,9 @@ def read_model_config(model_dir: Path) -> dict:
 
 
 def _stage_ranges(model_dir: Path, stages: int) -> list[tuple[int, int]]:
+    config = json.loads((model_dir / "config.json").read_text())
+    if why := pipeline_refusal(str(config.get("model_type") or ""), stages):
+        raise EngineError(why)
     try:
         return split_for_stages(footprint_from_dir(model_dir), stages)
     except CorruptModelError as exc:

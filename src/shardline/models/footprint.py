@@ -87,6 +87,7 @@ class ModelFootprint(BaseModel):
     quant_group: int = Field(0, ge=0)  # affine quantization's group size (0: float weights)
     # "" where a tensor-parallel group can split every layer (compute/tensor_parallel.py), else why not.
     tensor_split: str = OLD_REPORT
+    model_type: str = ""  # config.json's; "" in old reports (llama, qwen2 and qwen3 only)
 
     @model_validator(mode="before")
     @classmethod
@@ -328,4 +329,5 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
         intermediate_size=_first(config, "intermediate_size") or 0,
         quant_group=int((top.get("quantization") or {}).get("group_size") or 0),
         tensor_split=_split_refusal(arch, config, per_layer, head_dim),
+        model_type=model_type,
     )

@@ -209,6 +209,13 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         }
     },
     "gemma4_text": {"num_kv_shared_layers": 2, "layer_types": [_SLIDING, _FULL, _SLIDING, _FULL]},
+    # Its published scales, not the 1.0 a float field gets: a path that skips one would still agree.
+    "granite": {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0625,
+        "logits_scaling": 8.0,
+    },
     "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]},
     "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
     "jamba": {

@@ -29,6 +29,8 @@ FAMILIES = {
     "mamba2": "SSM",
     "granite": "dense, generic",
 }
+# Plain KV caches share a prompt's blocks through the prefix cache; windows and recurrent state cannot.
+PREFIX_SHARED = {"deepseek_v3", "qwen3_moe", "granite"}
 PROMPTS = [[(7 * i + 3 * k) % 250 + 3 for i in range(20 + k)] for k in range(4)]  # 3 prefill chunks of 8
 TOKENS = 24
 
@@ -53,6 +55,8 @@ def test_family_batches_and_resumes_exactly_on_two_stages(zoo, start_engine, arc
     assert engine.submit(PROMPTS[0], max_tokens=TOKENS).tokens(timeout=60) == expected[0]
     handles = [engine.submit(p, max_tokens=TOKENS) for p in PROMPTS]  # decoded together
     assert [h.tokens(timeout=60) for h in handles] == expected
+    # PROMPTS[0] again: its two full blocks come from the cache where the model's caches can share them.
+    assert handles[0].cached_tokens == (2 * STEP if arch in PREFIX_SHARED else 0)
     old = engine.runner_pids()
     got: list[int] = []
     killed_at = 0.0
@@ -62,10 +66,12 @@ def test_family_batches_and_resumes_exactly_on_two_stages(zoo, start_engine, arc
             killed_at = time.monotonic()
             os.kill(old[1], signal.SIGKILL)
     assert got == expected[1]
-    assert engine.recoveries, "the killed runner was never noticed"
-    rec = engine.recoveries[0]
-    assert "stage 1" in rec.why, rec.why
-    assert rec.recovered_at is not None and rec.detected_at >= killed_at
+    # A loaded machine may add a stall of its own (heartbeats are short here): the kill's recovery is the
+    # first one detected after it, and it names the killed stage.
+    after = [r for r in engine.recoveries if r.detected_at >= killed_at]
+    assert after, "the killed runner was never noticed"
+    assert "stage 1" in after[0].why, after[0].why
+    assert engine.recoveries[-1].recovered_at is not None
     assert_no_runner_left(old)
 
 

@@ -149,7 +149,9 @@ class Master:
             stages = []
             for v in s.views:
                 w = v.weights
-                stages.append(ms.StageInfo(stage_phase(v), v.pid, w.done if w else 0, w.total if w else 0))
+                path = v.ready.path if v.ready is not None else ""
+                done, total = (w.done, w.total) if w else (0, 0)
+                stages.append(ms.StageInfo(stage_phase(v), v.pid, done, total, path))
             update = ms.InstanceUpdate(
                 instance=instance,
                 generation=s.generation,

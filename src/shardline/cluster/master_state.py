@@ -92,6 +92,7 @@ class StageInfo:
     pid: int | None = None
     weights_done: int = 0
     weights_total: int = 0
+    path: str = ""  # the runner's compute path, once it is ready (dataplane Ready.path)
 
 
 @dataclass(frozen=True)
@@ -366,6 +367,7 @@ def _update(state: MasterState, u: InstanceUpdate) -> tuple[MasterState, list[Ef
                     "pid": v.pid,
                     "weights_done": v.weights_done,
                     "weights_total": v.weights_total,
+                    "path": v.path or st.path,
                 }
             )
         )

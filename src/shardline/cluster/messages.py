@@ -96,6 +96,9 @@ class StageRecord(Wire):
     pid: int | None = None
     weights_done: int = 0
     weights_total: int = 0
+    # How it computes its layers: "fast" (llama-shaped blocks in native ops), or "generic: " and why not
+    # (compute/shard.py); "" until it is ready.
+    path: str = ""
 
 
 class InstanceRecord(Wire):

@@ -279,6 +279,7 @@ class Ready(Wire):
     layers: tuple[int, int]
     kv_bytes_per_token: int = 0  # this stage's layers
     warmup: list[StepTime] = []  # seeds the step deadline before any real step ran
+    path: str = ""  # "fast", or "generic: " and why the fast path does not run it (compute/shard.py)
 
 
 class Heartbeat(Wire):

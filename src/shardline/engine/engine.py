@@ -320,6 +320,12 @@ class Engine:
         """The current generation's runner processes, by stage."""
         return self.agent.pids(self.generation)
 
+    def paths(self) -> list[str]:
+        """Each ready runner's compute path, by slot: "fast", or "generic: " and why ("" before Ready)."""
+        assert self.controller is not None
+        with self.controller._cond:
+            return [v.ready.path if v.ready is not None else "" for v in self.controller.state.views]
+
     def all_runner_pids(self) -> list[int]:
         return self.agent.all_pids()
 

@@ -74,6 +74,7 @@ class RunnerProcess:
         self.phase: str = "loading"
         self.grace_s = 0.0  # announced bounded work under way (Heartbeat.grace_s)
         self.weight_bytes = 0
+        self.path = ""  # the shard's compute path, for Ready
         self.group: GroupFace | GroupMember | None = None
 
     def _inbox(self, spec: RunnerSpec) -> Inbox:
@@ -122,6 +123,8 @@ class RunnerProcess:
             self.stage.matchers.grace = self.grace
             self.stage.matchers.on_build = lambda: self.faults.at_tokenizer_build()
         self.weight_bytes = shard.weight_bytes()
+        self.path = shard.path if not shard.why_generic else f"{shard.path}: {shard.why_generic}"
+        print(f"layers [{spec.layer_start}, {spec.layer_end}): {self.path} path", file=sys.stderr, flush=True)
         self.speed.attn_keys = 6 * shard.hidden_size
         if spec.group > 1:
             self._join_group(shard)
@@ -239,6 +242,7 @@ class RunnerProcess:
                 layers=(spec.layer_start, spec.layer_end),
                 kv_bytes_per_token=self.stage.kv_bytes_per_token,
                 warmup=warmup,
+                path=self.path,
             )
         )
         self.phase = "ready"

@@ -17,6 +17,7 @@ PIPELINE_REFUSED: dict[str, str] = {
     "hunyuan": "its layers return the keys and values that the next layers reuse (cross-layer attention)",
     "iquestloopcoder": "it runs every layer twice, the second time with the first time's KV",
     "kimi_k3": "its layers pass the outputs of earlier blocks (attention residuals), not one hidden state",
+    "talkie": "each block adds the normalised token embeddings (embed_skip), which a later stage lacks",
     "rwkv7": "its layers pass the first layer's values (v_first) along with the hidden states",
 }
 

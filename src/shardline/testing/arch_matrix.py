@@ -1,6 +1,7 @@
 """Every mlx-lm text architecture, sharded: the engine's stages against mlx-lm's own forward.
 
-For each architecture of testing/arch_zoo.py, a tiny random model is written to a directory once, and:
+For each architecture of testing/arch_zoo.py, its tiny random model (constant parameters shaken: `shake`) is
+written to a directory once, and:
 
 - the reference is mlx-lm's own `load_model` of that directory, run with its `make_prompt_cache`: the prompt
   in the chunks the stages take (plamo3's own logits depend on them: its sliding mask spans one key more
@@ -8,7 +9,7 @@ For each architecture of testing/arch_zoo.py, a tiny random model is written to 
 - S=1, 2 and 3: stages loaded with `load_shard` (ranges from `split_layers`), chained in this process, the
   prompt prefilled in chunks of CHUNK positions (it crosses two chunk boundaries), then DECODE greedy tokens;
   the tokens must be the reference's, and the logits of every decoded position within TOLERANCE of its;
-- batched: BATCH requests of different prompts, each prefilled alone, then decoded together with
+- batched: the requests of PROMPTS (four lengths), each prefilled alone, then decoded together with
   `forward_rows` for BATCH_DECODE steps on the two stages of S=2 (on one where the architecture is served
   on one stage only), each giving the tokens (and logits) the reference gives it alone.
 

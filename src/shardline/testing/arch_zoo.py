@@ -19,7 +19,7 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,17 +94,17 @@ def _text_args(module: ModuleType) -> type | None:
     return None
 
 
-def _fill(args_cls: type, module: ModuleType) -> dict[str, Any]:
+def _fill(args_cls: type, module: ModuleType, common: Mapping[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {}
     for field in dataclasses.fields(args_cls):
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
         if field.name == "model_type":
             continue
-        if field.name in COMMON:
-            config[field.name] = COMMON[field.name]
+        if field.name in common:
+            config[field.name] = common[field.name]
         elif field.name == "text_config":
             text = _text_args(module)
-            config[field.name] = _fill(text, module) if text else dict(COMMON)
+            config[field.name] = _fill(text, module, common) if text else dict(common)
         elif required:
             config[field.name] = FILL_BY_TYPE[_kind_of(field.type)]
     return config
@@ -120,34 +120,43 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def tiny_config(arch: str) -> dict[str, Any]:
-    """The config.json of `arch`'s tiny model, model_type included."""
+def tiny_config(arch: str, sizes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of `arch`'s tiny model, model_type included; `sizes`: fields by name to set instead
+    of COMMON's (a larger model of the same shape, e.g. bench/arch.py's)."""
     module = _import(arch)
-    config = {**_fill(module.ModelArgs, module), "model_type": arch}
+    config = {**_fill(module.ModelArgs, module, {**COMMON, **(sizes or {})}), "model_type": arch}
     if isinstance(config.get("text_config"), dict):
         config["text_config"].setdefault("model_type", arch)
     return copy.deepcopy(_merge(config, OVERRIDES.get(arch, {})))  # no list shared with the tables
 
 
-def build(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
-    """`arch`'s tiny model with weights drawn from `seed`, and its config."""
+def build(
+    arch: str, seed: int = 0, sizes: Mapping[str, Any] | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """`arch`'s tiny model (or of `sizes`, as tiny_config) with weights drawn from `seed`, and its config."""
     module = _import(arch)
-    config = tiny_config(arch)
+    config = tiny_config(arch, sizes)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     return model, config
 
 
-def write(arch: str, directory: Path, seed: int = 0) -> Path:
+def write(arch: str, directory: Path, seed: int = 0, sizes: Mapping[str, Any] | None = None) -> Path:
     """An mlx-lm model directory for `arch`: config.json, model.safetensors and a byte-level tokenizer."""
+    return save(*build(arch, seed, sizes), directory)
+
+
+def save(model: nn.Module, config: dict[str, Any], directory: Path) -> Path:
+    """`model` (quantized by mlx-lm's quantize_model or not) as an mlx-lm model directory."""
     from shardline.models.synth import SynthSpec, _write_tokenizer
 
-    model, config = build(arch, seed)
     directory.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (directory / "config.json").write_text(json.dumps(config, indent=1))
-    _write_tokenizer(directory, SynthSpec(vocab=VOCAB, context=int(COMMON["max_position_embeddings"])))
+    vocab = int(config.get("vocab_size") or VOCAB)
+    context = int(config.get("max_position_embeddings") or COMMON["max_position_embeddings"])
+    _write_tokenizer(directory, SynthSpec(vocab=vocab, context=context))
     return directory
 
 

@@ -255,6 +255,7 @@ class GenericShard:
 
     path = "generic"
     why_generic = ""  # set by load_shard: why the fast path does not run this stage
+    bounded_attention = False  # set by load_shard: prefill attention in tiles (compute/path_check.py)
     member = 0
     face = True
     emits = True

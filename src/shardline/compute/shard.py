@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from shardline.compute.generic import GenericShard, ZeroEmbedding, layer_list
 from shardline.compute.layer_range import LayerRange, split_layers
 from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.compute.paged_kv import PagedKV
+from shardline.compute.path_check import bounded_attention, fast_check, fast_structure
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
 from shardline.models.store.files import SHARD_MANIFEST
@@ -273,65 +275,6 @@ def _check_partial(model: nn.Module, model_dir: Path, layers: LayerRange) -> Non
         )
 
 
-def fast_structure(model: nn.Module, blocks: list[Any]) -> str:
-    """Why this model's blocks cannot take the fast path, from their structure ("" when they might: the
-    numeric check against the generic path, `fast_check`, decides)."""
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "layers")):
-        return "its model is not laid out as model.{embed_tokens, layers, norm}"
-    if hasattr(model, "make_cache"):
-        kinds = {type(c).__name__ for c in model.make_cache()}
-        if kinds != {"KVCache"}:
-            return f"its layers keep {', '.join(sorted(kinds))}, not one full-attention KV cache each"
-    for block in blocks:
-        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
-            return "its blocks are not self_attn (q/k/v/o projections, rope) + mlp"
-        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return "its MLP is not gate/up/down"
-        if not all(hasattr(block, n) for n in ("input_layernorm", "post_attention_layernorm")):
-            return "its blocks do not normalise as input/post-attention norms"
-        extra = set(block.children()) - {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-        if extra:
-            return f"its blocks hold {', '.join(sorted(extra))} besides attention and MLP"
-    return ""
-
-
-FAST_TOLERANCE = 2e-3  # of the largest output: the same functions (llama q4 measured 1.1e-4); a skipped
-# scale or multiplier (gemma, granite) is off by O(1)
-
-
-def fast_check(fast: FastShard, generic: GenericShard, block: int) -> str:
-    """ "" when the fast path computes what the model's own forward computes on this stage (a prefill of a
-    few positions, then two decode positions, from the same inputs), else how far apart they are."""
-    vocab = int(fast.config.get("vocab_size") or 2)
-    key = mx.random.key(7)
-
-    def inputs(n: int, salt: int) -> mx.array:
-        if fast.range.is_first:
-            return mx.array([[(31 * i + 7 * salt + 3) % vocab for i in range(n)]], dtype=mx.int32)
-        h = mx.random.normal((1, n, fast.hidden_size), key=mx.random.split(key, 3)[salt])
-        return h.astype(generic.activation_dtype)
-
-    split, fast.head_split = fast.head_split, 0  # compare whole logits
-    try:
-        fc, gc_ = fast.make_cache(block), generic.make_cache(block)
-        worst = 0.0
-        for salt, n in enumerate((5, 1, 1)):
-            x = inputs(n, salt)
-            a, b = fast.forward(x, fc), generic.forward(x, gc_)
-            mx.eval(a, b)
-            scale = max(float(mx.max(mx.abs(b)).item()), 1e-6)
-            gap = mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)))
-            worst = max(worst, float(gap.item()) / scale)
-    finally:
-        fast.head_split = split
-    if worst > FAST_TOLERANCE or worst != worst:
-        return f"the fast path differs from the model's own forward by {worst:.1e} of its largest output"
-    return ""
-
-
 def load_shard(
     model_dir: Path,
     layers: LayerRange | None = None,
@@ -377,10 +320,21 @@ def load_shard(
         mx.eval(model.parameters())
         gc.collect()
         generic.why_generic = why
+        if on_cpu:
+            generic.bounded_attention = bounded_attention(
+                model, generic, score_budget or attention.DEFAULT_SCORE_BUDGET
+            )
         return generic
+    module = sys.modules[type(model).__module__]
+    stock = module.scaled_dot_product_attention
     fast = _fast(model, config, layers, member, group, blocks, score_budget)
     if group == 1 and (why := fast_check(fast, generic, 4)):
         generic.why_generic = why
+        if on_cpu:  # the fast path's attention, on the generic path only where it agrees there too
+            module.scaled_dot_product_attention = stock
+            generic.bounded_attention = bounded_attention(
+                model, generic, score_budget or attention.DEFAULT_SCORE_BUDGET
+            )
         return generic
     gc.collect()
     return fast

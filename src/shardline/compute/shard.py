@@ -298,11 +298,13 @@ def load_shard(
     if layers.total != total:
         raise ValueError(f"layer range for {layers.total} layers, model has {total}")
     blocks = listed[layers.start : layers.end]
-    why = "SHARDLINE_FAST=0" if os.environ.get("SHARDLINE_FAST") == "0" else fast_structure(model, blocks)
+    # A vision-language wrapper's text model (mistral3's language_model) takes the fast path as itself.
+    text, text_config = _text_model(model, config)
+    why = "SHARDLINE_FAST=0" if os.environ.get("SHARDLINE_FAST") == "0" else fast_structure(text, blocks)
     if group > 1:
         if why:
             raise UnsupportedArchitectureError(f"tensor-parallel groups need llama-shaped blocks: {why}")
-        tensor_parallel.check_split(config, group)
+        tensor_parallel.check_split(text_config, group)
     on_cpu = mx.default_device() == mx.cpu
     generic = GenericShard(model, config, layers)
     if partial:
@@ -322,22 +324,31 @@ def load_shard(
         generic.why_generic = why
         if on_cpu:
             generic.bounded_attention = bounded_attention(
-                model, generic, score_budget or attention.DEFAULT_SCORE_BUDGET
+                blocks[0], generic, score_budget or attention.DEFAULT_SCORE_BUDGET
             )
         return generic
-    module = sys.modules[type(model).__module__]
+    module = sys.modules[type(blocks[0]).__module__]
     stock = module.scaled_dot_product_attention
-    fast = _fast(model, config, layers, member, group, blocks, score_budget)
+    fast = _fast(text, text_config, layers, member, group, blocks, score_budget)
     if group == 1 and (why := fast_check(fast, generic, 4)):
         generic.why_generic = why
         if on_cpu:  # the fast path's attention, on the generic path only where it agrees there too
             module.scaled_dot_product_attention = stock
             generic.bounded_attention = bounded_attention(
-                model, generic, score_budget or attention.DEFAULT_SCORE_BUDGET
+                blocks[0], generic, score_budget or attention.DEFAULT_SCORE_BUDGET
             )
         return generic
     gc.collect()
     return fast
+
+
+def _text_model(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
+    """The model whose `model` holds the layers, and its config: the model itself, or a wrapper's
+    language model (with the wrapper's text_config over its own keys)."""
+    inner = getattr(model, "language_model", None)
+    if getattr(model, "model", None) is None and inner is not None and hasattr(inner, "model"):
+        return inner, {**config, **(config.get("text_config") or {})}
+    return model, config
 
 
 def _fast(
@@ -356,8 +367,7 @@ def _fast(
     if vocab_split:  # each member reads and computes its rows of the head (tensor_parallel.split_head)
         tensor_parallel.split_head(model.lm_head, member, group)
         model.vocab_split = True
-    module = __import__(type(model).__module__, fromlist=["scaled_dot_product_attention"])
-    attention.install(module, score_budget or attention.DEFAULT_SCORE_BUDGET)
+    attention.install(sys.modules[type(blocks[0]).__module__], score_budget or attention.DEFAULT_SCORE_BUDGET)
     keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings and face)
     if mx.default_device() == mx.cpu:
         if layers.is_last and "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head

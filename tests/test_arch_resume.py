@@ -1,5 +1,6 @@
 """One architecture of each family on real runner processes (S=2): batched requests give each one's own
-tokens, and a runner SIGKILLed mid-decode resumes to the same tokens as single-process mlx-lm.
+tokens, the prefix cache shares blocks where the model's caches allow, a runner SIGKILLed mid-decode resumes
+to the same tokens as single-process mlx-lm, and a constrained request keeps its grammar.
 
 The every-architecture matrix runs in-process (tests/test_arch_matrix.py); this is what needs processes:
 the ring between stages, batched decode rows over it, and recovery. Each family takes its own path through
@@ -10,6 +11,7 @@ dense model whose multipliers the fast path lacks (granite).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -17,7 +19,10 @@ from pathlib import Path
 
 import pytest
 from conftest import FAST, STEP, assert_no_runner_left
+from tokenizers import Tokenizer
 
+from shardline.compute.constraints import Constraint
+from shardline.compute.sampling import SamplingParams
 from shardline.testing import arch_zoo
 from shardline.testing.reference import Reference
 
@@ -75,6 +80,13 @@ def test_family_batches_and_resumes_exactly_on_two_stages(zoo, start_engine, arc
     assert "stage 1" in after[0].why, after[0].why
     assert engine.recoveries[-1].recovered_at is not None
     assert_no_runner_left(old)
+    # Sampling happens on the logits whatever path computed them: a constrained request keeps its grammar.
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))  # the zoo's byte-level tokenizer
+    eos = tok.token_to_id(json.loads((path / "tokenizer_config.json").read_text())["eos_token"])
+    digits = SamplingParams(constraint=Constraint(kind="regex", source="[0-9]{3}", end=(eos,)))
+    out = engine.submit(PROMPTS[2], max_tokens=8, sampling=digits, stop_tokens=[eos]).tokens(timeout=60)
+    text = tok.decode([t for t in out if t != eos])
+    assert len(text) == 3 and text.isdigit(), text
 
 
 def test_prompts_cross_two_chunk_boundaries() -> None:

@@ -14,18 +14,7 @@ UNBUILT = {"prism_hadamard_qwen35": "Unsupported Hadamard pack"}  # a Hadamard-r
 # The stages' bugs today: the checks each fails and a piece of its error. A fix fails this test until its
 # entry goes, so that the matrix says what runs.
 ALL = set(arch_matrix.CHECKS)
-KNOWN_BUGS: dict[str, tuple[set[str], str]] = {
-    # load_shard lists the layers before a whole model could be run as it is; afm7's `layers` is a new list
-    "afm7": ({"S1", "batched"}, "cannot find the list its layers live in"),
-    # FastShard.tied reads args.tie_word_embeddings, which gemma's ModelArgs lacks (gemma always ties)
-    "gemma": ({"S2", "S3", "batched"}, "has no attribute 'tie_word_embeddings'"),
-    # ModelCaches takes make_cache()[i] for layer i: its second loop's caches (at layers + i) are ghosts
-    "iquestloopcoder": ({"S1", "batched"}, "[concatenate]"),
-    # the same: its n-gram context cache comes first, layer i's is at i + 1
-    "longcat_flash_ngram": (ALL, "[broadcast_shapes]"),
-    # batched.decode_block skips its query_layernorm/key_layernorm (it knows q_norm/k_norm): rows decode wrong
-    "hunyuan_v1_dense": ({"batched"}, "logits"),
-}
+KNOWN_BUGS: dict[str, tuple[set[str], str]] = {}
 
 
 @pytest.fixture(scope="module")

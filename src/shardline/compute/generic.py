@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as kv_cache
 
+from shardline.compute import tied_head
 from shardline.compute.layer_range import LayerRange
 
 _RUN, _SKIP, _EMIT = "run", "skip", "emit"
@@ -52,6 +53,7 @@ class StageLayer(nn.Module):
         object.__setattr__(self, "_mode", _RUN if held else _SKIP)
         object.__setattr__(self, "_inject", None)
         object.__setattr__(self, "_exit", False)
+        object.__setattr__(self, "_seen", None)  # a held layer notes the caches it is handed here
 
     def __getattr__(self, key: str) -> Any:
         try:
@@ -72,6 +74,8 @@ class StageLayer(nn.Module):
                 args = (self._inject, *args[1:])
             else:
                 kwargs[key] = self._inject
+        if self._seen is not None:
+            self._seen.update(id(v) for v in (*args, *kwargs.values()) if isinstance(v, kv_cache._BaseCache))
         out = self.layer(*args, **kwargs)
         if self._exit:
             raise StageExit(out)
@@ -186,8 +190,11 @@ class ModelCaches:
 
     def __init__(self, full: list[Any], held: range) -> None:
         self.full = full
-        self.held = held
+        self.held = held  # the held layers' indices (their caches' where there is one per layer)
         self.offset = 0
+        # The caches the held layers were handed (ids): a model may keep fewer caches than layers
+        # (nemotron_h's MLP layers keep none) and index them its own way.
+        self.real: set[int] = set()
 
     def attach(self, shared: list[list[tuple[mx.array, mx.array]]], block: int) -> None:
         """Start after full blocks another request computed (shared[j]: held layer j's (keys, values) of
@@ -220,8 +227,9 @@ class ModelCaches:
         """KV bytes one more position adds on the held layers (0 for windows full and recurrent state:
         an upper bound, read off what is allocated)."""
         total = 0
-        for i in self.held:
-            c = self.full[i]
+        for c in self.full:
+            if id(c) not in self.real:
+                continue
             keys = getattr(c, "keys", None)
             values = getattr(c, "values", None)
             if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
@@ -230,15 +238,16 @@ class ModelCaches:
 
     def advance(self, n: int) -> None:
         """After a forward of n positions: the ghosts count them too."""
-        for i, c in enumerate(self.full):
-            if i not in self.held:
+        for c in self.full:
+            if id(c) not in self.real:
                 _advance(c, n)
         self.offset += n
 
     def arrays(self) -> Iterator[mx.array]:
         """Every array the held layers' caches keep (for counting bytes)."""
-        for i in self.held:
-            yield from _arrays(self.full[i])
+        for c in self.full:
+            if id(c) in self.real:
+                yield from _arrays(c)
 
     @property
     def nbytes(self) -> int:
@@ -259,7 +268,6 @@ class GenericShard:
     member = 0
     face = True
     emits = True
-    head_split = 0  # the fast path's split head needs its own head code
 
     def __init__(self, model: nn.Module, config: dict, layers: LayerRange) -> None:
         self.model = model
@@ -300,6 +308,12 @@ class GenericShard:
         # Decided on the first chunk that would use it; a model run as it is has no layer to emit from.
         self._tail_ok: bool | None = None if self.rewritten else False
         self.prefix_reason = self._prefix_reason()
+        # Where a fast last stage splits a tied head, the first stage finishes it (`finish_head`), whatever
+        # its own path: both compute the same split point. A generic last stage never splits its head.
+        self.head_split = 0
+        if self.is_first and not self.is_last and self.tied:
+            table = [e for _, _, e in embeddings if e["weight"].shape[0] == vocab]
+            self.head_split = tied_head.split_point(table[0]) if table else 0
 
     def _new_caches(self) -> list[Any]:
         if hasattr(self.model, "make_cache"):
@@ -309,7 +323,10 @@ class GenericShard:
     def _prefix_reason(self) -> str:
         """Why the prefix cache cannot share this model's blocks ("" when it can): a block of positions is
         all a plain KV cache holds of them; a window forgets them, recurrent state folds them in."""
-        kinds = sorted({type(c).__name__ for c in self._new_caches() if type(c) is not kv_cache.KVCache})
+        full = self._new_caches()
+        if len(full) != self.total:
+            return f"it makes {len(full)} caches for {self.total} layers, not one per layer"
+        kinds = sorted({type(c).__name__ for c in full if type(c) is not kv_cache.KVCache})
         if not kinds:
             return ""
         return f"its layers keep {', '.join(kinds)}, not positions in blocks"
@@ -318,7 +335,12 @@ class GenericShard:
         self, block: int = 0, shared: list[list[tuple[mx.array, mx.array]]] | None = None
     ) -> ModelCaches:
         """A request's caches (the model's own kinds); shared[j]: the full blocks held layer j starts from."""
-        caches = ModelCaches(self._new_caches(), range(self.range.start, self.range.end))
+        full = self._new_caches()
+        # A whole model holds every cache it makes, however many per layer (iquestloopcoder's two loops).
+        held = range(len(full)) if self.is_first and self.is_last else range(self.range.start, self.range.end)
+        caches = ModelCaches(full, held)
+        if self.is_first and self.is_last:  # no ghosts: every cache is this stage's, layers' or not
+            caches.real.update(id(c) for c in full)
         if shared and any(shared):
             if self.prefix_reason:
                 raise ValueError(f"cannot start from cached blocks: {self.prefix_reason}")
@@ -334,7 +356,12 @@ class GenericShard:
         return mx.concatenate(outs, axis=0)
 
     def finish_head(self, packed: mx.array) -> mx.array:
-        raise RuntimeError("the generic path does not split its head")
+        """A fast last stage split the tied head (a model whose first stage alone is generic, as gemma's,
+        which scales its embedding): the lower logits come from this stage's embedding."""
+        vocab = int(self.config.get("vocab_size") or _text(self.config).get("vocab_size") or 0)
+        embed = next(e for _, _, e in _embeddings(self.model, self.wrappers) if e["weight"].shape[0] == vocab)
+        dtype = tied_head.input_dtype(embed, self.layers[0])
+        return tied_head.finish(embed, dtype, self.hidden_size, packed)
 
     def join_group(self, reduce: Any, gather: Any = None) -> None:
         raise ValueError("tensor-parallel groups run on the fast path only")
@@ -358,6 +385,8 @@ class GenericShard:
         if not self.is_first:
             object.__setattr__(self.entry, "_inject", x)
         object.__setattr__(self.exit, "_exit", stop)
+        for w in self.held:
+            object.__setattr__(w, "_seen", caches.real)
         try:
             out = self.model(ids, cache=caches.full)
         except StageExit as e:
@@ -365,6 +394,8 @@ class GenericShard:
         finally:
             object.__setattr__(self.entry, "_inject", None)
             object.__setattr__(self.exit, "_exit", False)
+            for w in self.held:
+                object.__setattr__(w, "_seen", None)
         caches.advance(n)
         return out
 

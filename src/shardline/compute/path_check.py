@@ -21,6 +21,9 @@ from shardline.compute import attention
 Forward = Callable[[mx.array, Any], mx.array]
 
 
+FAST_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
+
+
 def fast_structure(model: nn.Module, blocks: list[Any]) -> str:
     """Why this model's blocks cannot take the fast path, from their structure ("" when they might: the
     numeric check against the generic path, `fast_check`, decides)."""
@@ -33,6 +36,12 @@ def fast_structure(model: nn.Module, blocks: list[Any]) -> str:
             return f"its layers keep {', '.join(sorted(kinds))}, not one full-attention KV cache each"
     for block in blocks:
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        if isinstance(attn, nn.Module) and isinstance(mlp, nn.Module):
+            # Modules the fast block would skip (hunyuan's query_layernorm after rope, a gate's bias...).
+            extra = set(attn.children()) - FAST_ATTENTION
+            extra |= set(mlp.children()) - {"gate_proj", "up_proj", "down_proj"}
+            if extra:
+                return f"its blocks hold {', '.join(sorted(extra))}, which the fast block does not compute"
         names = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
         if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
             return "its blocks are not self_attn (q/k/v/o projections, rope) + mlp"

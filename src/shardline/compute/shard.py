@@ -18,9 +18,9 @@ from mlx_lm.models import cache as kv_cache
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import load_config, load_model
 
-from shardline.compute import attention, quantized, tensor_parallel
+from shardline.compute import attention, quantized, tensor_parallel, tied_head
 from shardline.compute.batched import DecodePlan, decode_stack
-from shardline.compute.generic import GenericShard, ZeroEmbedding, layer_list
+from shardline.compute.generic import GenericShard, ZeroEmbedding
 from shardline.compute.layer_range import LayerRange, split_layers
 from shardline.compute.linear import InputMajorLinear, make_input_major
 from shardline.compute.paged_kv import PagedKV
@@ -100,9 +100,17 @@ class FastShard:
     why_generic = ""
 
     def __init__(
-        self, model: nn.Module, layers: LayerRange, config: dict, member: int = 0, blocks: list | None = None
+        self,
+        model: nn.Module,
+        layers: LayerRange,
+        config: dict,
+        member: int = 0,
+        blocks: list | None = None,
+        tied: bool | None = None,
     ) -> None:
         self.model = model
+        # The head is the embedding: read off the modules (generic.tied) before load drops any of them.
+        self.tied = tied if tied is not None else bool(model.args.tie_word_embeddings)
         self.range = layers
         self.config = config
         # A tensor-parallel group's member (compute/tensor_parallel.py); member 0, the face, alone embeds
@@ -121,7 +129,7 @@ class FastShard:
         self.hidden_size = int(config["hidden_size"])
         self.head_split = self._head_split()
         # Looked up once: finish_head runs on every sampled step of the first stage.
-        self.head_dtype = self._head_input_dtype() if self.head_split else None
+        self.head_dtype = tied_head.input_dtype(self.embed, self.layers[0]) if self.head_split else None
         # On CPU with the native module: each block's native ops for decode positions (batched.DecodePlan).
         self.plans = [DecodePlan.of(block) for block in self.layers]
         self.fast_decode = any(p is not None for p in self.plans)
@@ -157,36 +165,10 @@ class FastShard:
         embeddings split; each logit is computed as the whole head computes it (`_head_rows`)."""
         if self.range.is_first == self.range.is_last or not self.tied or not self.face:
             return 0
-        embed = self.embed
-        quantized_embed = isinstance(embed, nn.QuantizedEmbedding | quantized.CpuQuantizedEmbedding)
-        if type(embed) is not nn.Embedding and not (quantized_embed and embed.get("biases") is not None):
-            return 0
-        return int(embed.weight.shape[0]) // 2
-
-    def _head_input_dtype(self) -> mx.Dtype:
-        """The dtype of the last stage's normalised hidden states, known on the first stage too: a float
-        embedding's, else the activations' (the widest float of the quantized embedding's output and the
-        layers' norms, as MLX promotes them). The packed float32 copy converts back exactly."""
-        e = self.embed
-        if type(e) is nn.Embedding:
-            return e.weight.dtype
-        norms = [v.dtype for k, v in tree_flatten(self.layers[0].parameters()) if "norm" in k]
-        found = {e["scales"].dtype, *norms}
-        floats = [d for d in found if d in (mx.float32, mx.float16, mx.bfloat16)]
-        return floats[0] if len(floats) == 1 else mx.float32  # float16 with bfloat16 promotes to float32
+        return tied_head.split_point(self.embed)
 
     def _head_rows(self, h: mx.array, start: int, end: int) -> mx.array:
-        """Logits [start, end) of a tied head: h (rows, D) times those rows of the embedding."""
-        e = self.embed
-        if type(e) is nn.Embedding:
-            return h.astype(e.weight.dtype) @ e.weight[start:end].T
-        return quantized.quantized_matmul(
-            h, e["weight"][start:end], e["scales"][start:end], e["biases"][start:end], e.group_size, e.bits
-        )
-
-    @property
-    def tied(self) -> bool:
-        return bool(self.model.args.tie_word_embeddings)
+        return tied_head.rows(self.embed, h, start, end)
 
     def make_cache(
         self, block: int, shared: list[list[tuple[mx.array, mx.array]]] | None = None
@@ -250,9 +232,7 @@ class FastShard:
 
     def finish_head(self, packed: mx.array) -> mx.array:
         """On the first stage: the last stage's `head` output -> full logits (..., vocab)."""
-        h = packed[..., : self.hidden_size].astype(self.head_dtype)  # as the last stage had it
-        lower = self._head_rows(h, 0, self.head_split)
-        return mx.concatenate([lower.astype(mx.float32), packed[..., self.hidden_size :]], axis=-1)
+        return tied_head.finish(self.embed, self.head_dtype, self.hidden_size, packed)
 
     def weight_bytes(self) -> int:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
@@ -292,7 +272,7 @@ def load_shard(
     # loading refuses; load it leniently, then require every tensor this stage keeps (_check_partial).
     partial = (Path(model_dir) / SHARD_MANIFEST).is_file()
     model, config = load_model(Path(model_dir), lazy=True, strict=not partial)
-    listed = layer_list(model)
+    listed = list(model.layers)  # GenericShard finds the list the forward iterates, where it must
     total = len(listed)
     layers = layers or LayerRange(0, total, total)
     if layers.total != total:
@@ -329,7 +309,7 @@ def load_shard(
         return generic
     module = sys.modules[type(blocks[0]).__module__]
     stock = module.scaled_dot_product_attention
-    fast = _fast(text, text_config, layers, member, group, blocks, score_budget)
+    fast = _fast(text, text_config, layers, member, group, blocks, score_budget, generic.tied)
     if group == 1 and (why := fast_check(fast, generic, 4)):
         generic.why_generic = why
         if on_cpu:  # the fast path's attention, on the generic path only where it agrees there too
@@ -359,6 +339,7 @@ def _fast(
     group: int,
     blocks: list[Any],
     score_budget: int | None,
+    tied: bool,
 ) -> FastShard:
     inner = model.model
     face = member == 0
@@ -368,7 +349,7 @@ def _fast(
         tensor_parallel.split_head(model.lm_head, member, group)
         model.vocab_split = True
     attention.install(sys.modules[type(blocks[0]).__module__], score_budget or attention.DEFAULT_SCORE_BUDGET)
-    keep_embed = layers.is_first or (layers.is_last and model.args.tie_word_embeddings and face)
+    keep_embed = layers.is_first or (layers.is_last and tied and face)
     if mx.default_device() == mx.cpu:
         if layers.is_last and "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head
             model.lm_head = InputMajorLinear.of(model.lm_head)
@@ -383,4 +364,4 @@ def _fast(
         if "lm_head" in model:
             del model.lm_head
     mx.eval(model.parameters())
-    return FastShard(model, layers, config, member, blocks)
+    return FastShard(model, layers, config, member, blocks, tied)

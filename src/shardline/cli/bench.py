@@ -18,6 +18,14 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_arch(args: argparse.Namespace) -> int:
+    from shardline.bench.arch import run
+
+    rounds = None if args.rounds is None else positive(args.rounds, "--rounds")
+    run(json_path=args.json, quick=args.quick, rounds=rounds)
+    return 0
+
+
 def cmd_bench_tp(args: argparse.Namespace) -> int:
     from shardline.bench.tp import run
 
@@ -161,6 +169,15 @@ def add_commands(sub: Any) -> None:
     be.add_argument("--quick", action="store_true", help="smaller prompts, for a fast smoke run")
     be.add_argument("--rounds", type=int, default=3, help="alternating baseline / engine rounds")
     be.set_defaults(func=cmd_bench_engine)
+    bar = bsub.add_parser(
+        "arch", help="one stream through 1 and 2 stages of six kinds of architecture, against mlx-lm"
+    )
+    bar.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bar.add_argument("--quick", action="store_true", help="small models, one round: a smoke run")
+    bar.add_argument(
+        "--rounds", type=int, default=None, help="interleaved mlx-lm / S=1 / S=2 rounds (3; --quick: 1)"
+    )
+    bar.set_defaults(func=cmd_bench_arch)
     btp = bsub.add_parser(
         "tp", help="one stream on a tensor-parallel group of 2 against one runner and a 2-stage pipeline"
     )

@@ -3,7 +3,7 @@
 cli/local.py     generate (a local pipeline, or --cluster), up (a local cluster of node daemons)
 cli/cluster.py   node (this machine's daemon), cluster init|add-node|revoke|forget, place
 cli/models.py    models pull|list|synth
-cli/bench.py     bench engine|tp|attention|chaos|resume|cluster|serve|quality|scale|llama-cpp|soak
+cli/bench.py     bench engine|arch|tp|attention|chaos|resume|cluster|serve|quality|scale|llama-cpp|soak
 """
 
 from __future__ import annotations

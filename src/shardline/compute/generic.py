@@ -274,13 +274,14 @@ class GenericShard:
         self.config = config
         self.range = layers
         whole = layers.is_first and layers.is_last
+        self.rewritten = True
         try:
             listed = layer_list(model)
         except ValueError:
             if not whole:
                 raise
             listed = list(model.layers)  # one stage runs the model as it is: nothing to rewrite
-        self.rewritten = not whole or listed is model.layers
+            self.rewritten = False
         if len(listed) != layers.total:
             raise ValueError(f"layer range for {layers.total} layers, model has {len(listed)}")
         start, end = layers.start, layers.end

@@ -62,6 +62,8 @@ class MatrixRow:
     results: dict[str, str] = field(default_factory=dict)  # check -> OK or what went wrong, in one line
     paths: dict[str, str] = field(default_factory=dict)  # check -> each stage's path, "fast,generic"
     seconds: float = 0.0
+    # Why placement makes no tensor-parallel group of it (ModelFootprint.tensor_split; "" when it may)
+    tp: str = ""
 
     def failed(self, check: str) -> bool:
         return not self.refused and self.results.get(check) != OK
@@ -234,7 +236,10 @@ def run_arch(arch: str, workdir: Path, seed: int = 0, tell: Callable[[str], None
         results["batched"] = next((w for w in wrong if not w.endswith(f": {OK}")), OK)
     except Exception as e:
         results["batched"] = _one_line(e)
-    return MatrixRow(arch, "", results, paths, time.perf_counter() - started)
+    from shardline.models.footprint import footprint_from_dir
+
+    tp = footprint_from_dir(directory).tensor_split
+    return MatrixRow(arch, "", results, paths, time.perf_counter() - started, tp)
 
 
 def _emit(tag: str, payload: object) -> None:
@@ -301,19 +306,21 @@ def _cell(row: MatrixRow, check: str) -> str:
 def table(rows: list[MatrixRow]) -> str:
     """One line per architecture: each check's path per stage (f: fast, g: generic), FAIL, or - where mlx-lm
     itself does not run it; the reason; and the counts."""
-    lines = [f"{'architecture':<22} {'S1':<4} {'S2':<4} {'S3':<4} {'batched':<8} {'s':>4}  reason"]
+    lines = [f"{'architecture':<22} {'S1':<4} {'S2':<4} {'S3':<4} {'batched':<8} {'TP':<3} {'s':>4}  reason"]
     for r in rows:
         reason = r.refused or next((f"{c}: {r.results[c]}" for c in CHECKS if r.failed(c)), "")
         if not reason and r.arch in PIPELINE_REFUSED:
             reason = f"one stage only: {PIPELINE_REFUSED[r.arch]}"
         cells = [f"{_cell(r, c):<{w}}" for c, w in zip(CHECKS, (4, 4, 4, 8), strict=True)]
-        lines.append(f"{r.arch:<22} {' '.join(cells)} {r.seconds:>4.1f}  {reason}")
+        tp = "-" if r.refused else ("no" if r.tp else "yes")
+        lines.append(f"{r.arch:<22} {' '.join(cells)} {tp:<3} {r.seconds:>4.1f}  {reason}")
     ran = [r for r in rows if not r.refused]
     one = [r for r in ran if not r.failed("S1") and not r.failed("batched")]
     piped = [r for r in one if not r.failed("S2") and not r.failed("S3")]
+    groups = [r for r in piped if not r.tp]
     lines.append(
         f"found {len(rows)}; mlx-lm runs {len(ran)}; served on one stage, batched {len(one)}; "
-        f"on 2 and 3 stages too {len(piped)}"
+        f"on 2 and 3 stages too {len(piped)}; in tensor-parallel groups {len(groups)}"
     )
     return "\n".join(lines)
 

@@ -337,11 +337,50 @@ def _minimum(results: dict[str, dict[str, Any]], path: str) -> float | None:
     return min(found) if found else None
 
 
+def _stamps_tps(stamps: list[float]) -> float:
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def engine_s2(directory: Path, work: Work) -> dict[str, Any]:
+    """S=2 through the engine: two runner processes pinned one per core, with the hops between them. Each
+    figure sits between two runs of mlx-lm in a pinned process of its own (bench engine's baseline, A-B-A)
+    and is compared with their mean; the prefix cache is off, so that a repeated prompt is computed."""
+    from shardline.bench.engine_references import Baseline
+    from shardline.engine.engine import Engine, EngineConfig
+
+    vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
+    decode = _prompt(work.decode_prompt, vocab, offset=1)
+    prefill = _prompt(work.prefill_prompt, vocab, offset=5)
+    config = EngineConfig(
+        model_dir=directory, stages=2, prefill_step=PREFILL_STEP, pin_cpus=True, prefix_cache=False
+    )
+    with Baseline(directory, PREFILL_STEP) as baseline, Engine(config).start() as engine:
+
+        def stages(prompt: list[int], max_tokens: int) -> list[float]:
+            start = time.perf_counter()
+            return [time.perf_counter() - start for _ in engine.submit(prompt, max_tokens=max_tokens)]
+
+        stages(_prompt(16, vocab, offset=3), 3)  # warm
+        around = [_stamps_tps(baseline.run(decode, work.decode_tokens))]
+        decode_tps = _stamps_tps(stages(decode, work.decode_tokens))
+        around.append(_stamps_tps(baseline.run(decode, work.decode_tokens)))
+        single = [len(prefill) / baseline.run(prefill, 1)[0]]
+        prefill_tps = len(prefill) / stages(prefill, 1)[0]
+        single.append(len(prefill) / baseline.run(prefill, 1)[0])
+    return {
+        "decode_tok_s": {"mlx_lm": statistics.mean(around), "s2_engine": decode_tps},
+        "prefill_tok_s": {"mlx_lm": statistics.mean(single), "s2_engine": prefill_tps},
+        "decode_ratio_s2_engine_vs_mlx_lm": decode_tps / statistics.mean(around),
+        "prefill_ratio_s2_engine_vs_mlx_lm": prefill_tps / statistics.mean(single),
+    }
+
+
 def run(
     json_path: Path | None,
     quick: bool = False,
     rounds: int | None = None,
     variants: tuple[Variant, ...] = VARIANTS,
+    engine: bool = False,
 ) -> dict[str, Any]:
     work = Work.quick() if quick else Work()
     if rounds is not None:
@@ -355,6 +394,11 @@ def run(
         for variant in variants:
             print(f"bench arch: {variant.name}", file=sys.stderr)
             results[variant.name] = _measure_in_child(variant, sizes, work, Path(tmp))
+            if engine and "error" not in results[variant.name]:
+                try:
+                    results[variant.name]["engine"] = engine_s2(Path(tmp) / variant.name, work)
+                except Exception as e:  # the in-process figures stand without it
+                    results[variant.name]["engine"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     result: dict[str, Any] = {
         "machine": machine,
         "setup": "each architecture in a process of its own pinned to one core, one BLAS thread; mlx-lm "
@@ -364,9 +408,9 @@ def run(
         f"of {PREFILL_STEP}; each round the three prefills in turn (backwards every other round), then their "
         "decodes a token of each in turn; decode speed from the median step; each ratio taken within a "
         "round, the median of the rounds reported",
-        # The engine's runners would add the hops between processes, which `bench engine` measures; here
-        # the stages' compute is compared with mlx-lm's on one core.
-        "s2": "in-process",
+        # In-process: the stages' compute against mlx-lm's on one core, interleaved token by token. With
+        # --engine, also S=2 through the engine's runner processes (hops included), A-B-A around mlx-lm.
+        "s2": "in-process" + (", and the engine (runner processes, one per core)" if engine else ""),
         "sizes": sizes,
         "work": asdict(work),
         "architectures": results,
@@ -407,6 +451,18 @@ def _print_table(result: dict[str, Any]) -> None:
             prof = r["decode_step_profile_ms"]
             parts = ", ".join(f"{side} {p['graph_ms']:.2f} + {p['eval_ms']:.2f}" for side, p in prof.items())
             print(f"  {name} decode step ms (graph + eval, median): {parts}")
+    for name, r in result["architectures"].items():
+        if "engine" in r:
+            e = r["engine"]
+            if "error" in e:
+                print(f"  {name} S=2 engine: {e['error']}")
+                continue
+            d, p = e["decode_tok_s"], e["prefill_tok_s"]
+            print(
+                f"  {name} S=2 engine (runner processes, A-B-A): decode {d['s2_engine']:.1f} vs mlx-lm "
+                f"{d['mlx_lm']:.1f} ({e['decode_ratio_s2_engine_vs_mlx_lm']:.2f}), prefill "
+                f"{p['s2_engine']:.1f} vs {p['mlx_lm']:.1f} ({e['prefill_ratio_s2_engine_vs_mlx_lm']:.2f})"
+            )
     for path in ("generic", "fast"):
         value = result[f"{path}_decode_ratio_s1_vs_mlx_lm_min"]
         shown = "n/a" if value is None else f"{value:.3f}"

@@ -22,7 +22,7 @@ def cmd_bench_arch(args: argparse.Namespace) -> int:
     from shardline.bench.arch import run
 
     rounds = None if args.rounds is None else positive(args.rounds, "--rounds")
-    run(json_path=args.json, quick=args.quick, rounds=rounds)
+    run(json_path=args.json, quick=args.quick, rounds=rounds, engine=args.engine)
     return 0
 
 
@@ -176,6 +176,9 @@ def add_commands(sub: Any) -> None:
     bar.add_argument("--quick", action="store_true", help="small models, one round: a smoke run")
     bar.add_argument(
         "--rounds", type=int, default=None, help="interleaved mlx-lm / S=1 / S=2 rounds (3; --quick: 1)"
+    )
+    bar.add_argument(
+        "--engine", action="store_true", help="also S=2 through the engine's runner processes (about +1 min)"
     )
     bar.set_defaults(func=cmd_bench_arch)
     btp = bsub.add_parser(

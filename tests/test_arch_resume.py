@@ -91,3 +91,16 @@ def test_family_batches_and_resumes_exactly_on_two_stages(zoo, start_engine, arc
 
 def test_prompts_cross_two_chunk_boundaries() -> None:
     assert all(len(p) > 2 * STEP for p in PROMPTS)
+
+
+@pytest.mark.timeout(180)
+def test_a_generic_architecture_in_tensor_parallel_groups(zoo, start_engine):
+    """gemma3_text (sliding windows, scaled embedding, extra norms) on 2 stages of 2-member groups: each
+    member runs the model's own forward over its heads and columns, the groups sum, and batched requests
+    give mlx-lm's tokens."""
+    path, expected = zoo["gemma3_text"]
+    engine = start_engine(path, 2, tp=2, **FAST)
+    assert len(engine.runner_pids()) == 4
+    assert all(p.startswith("generic: ") for p in engine.paths()), engine.paths()
+    handles = [engine.submit(p, max_tokens=TOKENS) for p in PROMPTS]
+    assert [h.tokens(timeout=60) for h in handles] == expected

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as kv_cache
 
-from shardline.compute import tied_head
+from shardline.compute import tensor_parallel, tied_head
 from shardline.compute.layer_range import LayerRange
 
 _RUN, _SKIP, _EMIT = "run", "skip", "emit"
@@ -265,14 +265,15 @@ class GenericShard:
     path = "generic"
     why_generic = ""  # set by load_shard: why the fast path does not run this stage
     bounded_attention = False  # set by load_shard: prefill attention in tiles (compute/path_check.py)
-    member = 0
-    face = True
-    emits = True
 
-    def __init__(self, model: nn.Module, config: dict, layers: LayerRange) -> None:
+    def __init__(self, model: nn.Module, config: dict, layers: LayerRange, member: int = 0) -> None:
         self.model = model
         self.config = config
         self.range = layers
+        # A tensor-parallel group's member (compute/tensor_parallel.py): member 0, the face, sends the
+        # stage's output and alone computes a last stage's head; the others stop at their last layer.
+        self.member = member
+        self.face = self.emits = member == 0
         whole = layers.is_first and layers.is_last
         self.rewritten = True
         try:
@@ -291,14 +292,15 @@ class GenericShard:
         self.hidden_size = _hidden_size(config, embeddings)
         vocab = int(config.get("vocab_size") or _text(config).get("vocab_size") or 0)
         self.tied = tied(model, listed, vocab)
-        keep_embed = self.is_first or (self.is_last and self.tied)
+        self.heads_out = self.is_last and self.face  # this stage's output is logits
+        keep_embed = self.is_first or (self.heads_out and self.tied)
         dtype = _float_dtype(model, listed[start:end])
         if not keep_embed:
             for parent, key, _ in embeddings:
                 parent[key] = ZeroEmbedding(self.hidden_size, dtype)
+        self._vocab = vocab
         if not self.is_last:
-            for parent, key in _heads(model, listed, vocab):
-                parent[key] = nn.Identity()  # never reached: the call stops at the last held layer
+            self.drop_head(listed)
         self.layers = listed[start:end]
         self.wrappers = [StageLayer(layer, start <= i < end) for i, layer in enumerate(listed)]
         if self.rewritten:
@@ -312,9 +314,16 @@ class GenericShard:
         # Where a fast last stage splits a tied head, the first stage finishes it (`finish_head`), whatever
         # its own path: both compute the same split point. A generic last stage never splits its head.
         self.head_split = 0
-        if self.is_first and not self.is_last and self.tied:
+        if self.is_first and not self.is_last and self.tied and self.face:
             table = [e for _, _, e in embeddings if e["weight"].shape[0] == vocab]
             self.head_split = tied_head.split_point(table[0]) if table else 0
+
+    def drop_head(self, listed: list[Any] | None = None) -> None:
+        """Replace the output head, never reached here (the call stops at the last held layer): a stage
+        before the last, or a group member's (load_shard drops it once the fast path is ruled out, whose
+        members split it by vocabulary rows)."""
+        for parent, key in _heads(self.model, listed if listed is not None else self.wrappers, self._vocab):
+            parent[key] = nn.Identity()
 
     def _new_caches(self) -> list[Any]:
         if hasattr(self.model, "make_cache"):
@@ -352,7 +361,7 @@ class GenericShard:
         """One decode position for each of several requests, each row through the model alone (the same
         bits as alone, whatever the batch): (rows, 1, D) hidden states, or each row's logits (rows, vocab)."""
         outs = [self.forward(x[i : i + 1], c) for i, c in enumerate(caches)]
-        if self.is_last:
+        if self.heads_out:
             return mx.stack(outs)
         return mx.concatenate(outs, axis=0)
 
@@ -365,7 +374,11 @@ class GenericShard:
         return tied_head.finish(embed, dtype, self.hidden_size, packed)
 
     def join_group(self, reduce: Any, gather: Any = None) -> None:
-        raise ValueError("tensor-parallel groups run on the fast path only")
+        """Each held block's row-parallel products (attention output, MLP down) end in the group's sum; the
+        face computes the whole head (no vocabulary split on this path)."""
+        for block in self.layers:
+            block.self_attn.o_proj = tensor_parallel.GroupSum(block.self_attn.o_proj, reduce)
+            block.mlp.down_proj = tensor_parallel.GroupSum(block.mlp.down_proj, reduce)
 
     def weight_bytes(self) -> int:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
@@ -374,11 +387,11 @@ class GenericShard:
         """x: token ids (1, n) on the first stage, hidden states (1, n, D) elsewhere. Returns hidden states
         (1, n, D), or on the last stage the logits of the last position (vocab,) in float32."""
         n = int(x.shape[1])
-        if self.is_last and n > 1 and self.tail_works():
+        if self.heads_out and n > 1 and self.tail_works():
             h = self._run(x, caches, stop=True)
             return self._tail(h[:, -1:, :])
-        out = self._run(x, caches, stop=not self.is_last)
-        return out if not self.is_last else out[0, -1].astype(mx.float32)
+        out = self._run(x, caches, stop=not self.heads_out)
+        return out if not self.heads_out else out[0, -1].astype(mx.float32)
 
     def _run(self, x: mx.array, caches: ModelCaches, stop: bool) -> mx.array:
         n = int(x.shape[1])

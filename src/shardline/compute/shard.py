@@ -27,6 +27,7 @@ from shardline.compute.paged_kv import PagedKV
 from shardline.compute.path_check import bounded_attention, fast_check, fast_structure
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
+from shardline.models.footprint import TENSOR_PARALLEL_ARCHITECTURES
 from shardline.models.store.files import SHARD_MANIFEST
 from shardline.models.store.verify import missing_tensors
 from shardline.models.validate import mlx_lm_architecture
@@ -282,11 +283,15 @@ def load_shard(
     text, text_config = _text_model(model, config)
     why = "SHARDLINE_FAST=0" if os.environ.get("SHARDLINE_FAST") == "0" else fast_structure(text, blocks)
     if group > 1:
-        if why:
-            raise UnsupportedArchitectureError(f"tensor-parallel groups need llama-shaped blocks: {why}")
+        if reason := tensor_parallel.split_reason(blocks):
+            raise UnsupportedArchitectureError(f"tensor-parallel groups cannot split its blocks: {reason}")
         tensor_parallel.check_split(text_config, group)
+        # The fast blocks' sums are checked exact in groups for these; any other group runs generic.
+        arch = mlx_lm_architecture(str(config.get("model_type")))
+        if not why and arch not in TENSOR_PARALLEL_ARCHITECTURES:
+            why = f"tensor-parallel groups of {arch} blocks run the model's own forward"
     on_cpu = mx.default_device() == mx.cpu
-    generic = GenericShard(model, config, layers)
+    generic = GenericShard(model, config, layers, member)
     if partial:
         _check_partial(model, Path(model_dir), layers)
     for layer in blocks:  # one layer at a time: only this member's slice is ever read in full
@@ -297,6 +302,8 @@ def load_shard(
             make_cpu_quantized(layer)
         mx.eval(layer.parameters())
     if why:
+        if not generic.heads_out:
+            generic.drop_head()
         if on_cpu:  # the embedding and an untied head too, where quantized
             make_cpu_quantized(model)
         mx.eval(model.parameters())

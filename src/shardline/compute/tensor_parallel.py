@@ -64,9 +64,11 @@ def check_split(config: dict, size: int) -> None:
     """Raise GroupSumError unless a model of this config splits `size` ways."""
     if size == 1:
         return
-    heads = int(config["num_attention_heads"])
+    heads = int(config.get("num_attention_heads") or 0)  # split_block checks the modules' own figures
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    inter = int(config["intermediate_size"])
+    inter = int(config.get("intermediate_size") or 0)
+    if not heads or not inter:
+        return
     for what, n in (("attention heads", heads), ("KV heads", kv_heads), ("MLP columns", inter)):
         if n % size:
             raise GroupSumError(f"{n} {what} do not split into {size} equal parts")
@@ -77,12 +79,40 @@ def check_split(config: dict, size: int) -> None:
             raise GroupSumError(f"a member's {n} {what} inputs split quantization groups of {group}")
 
 
+HEADS = ("n_heads", "num_heads", "num_attention_heads")  # what attention modules call their head counts
+KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def _count(attn: Any, names: tuple[str, ...]) -> int | None:
+    return next((int(getattr(attn, n)) for n in names if isinstance(getattr(attn, n, None), int)), None)
+
+
+def split_reason(blocks: list[Any]) -> str:
+    """Why `split_block` cannot split these blocks ("" when it can): it slices self_attn's q/k/v/o
+    projections by heads (n_heads, n_kv_heads) and mlp's gate/up/down by columns."""
+    for block in blocks:
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn is None or not all(hasattr(attn, n) for n in names):
+            return "its attention is not self_attn with q/k/v/o projections"
+        if _count(attn, HEADS) is None or _count(attn, KV_HEADS) is None:
+            return "its attention keeps no head counts by a name a group can set"
+        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "its MLP is not gate/up/down projections"
+        head_dim = int(attn.q_proj["weight"].shape[0]) // (_count(attn, HEADS) or 1)
+        for norm in ("q_norm", "k_norm"):
+            w = getattr(attn, norm, None)
+            if isinstance(w, nn.Module) and "weight" in w and w["weight"].shape[-1] != head_dim:
+                return f"its {norm} normalises all heads together, not each head"
+    return ""
+
+
 def split_block(block: Any, rank: int, size: int) -> None:
     """Keep member `rank`'s share of a transformer block (in place), of a group of `size`."""
     if size == 1:
         return
     attn, mlp = block.self_attn, block.mlp
-    heads, kv_heads = attn.n_heads, attn.n_kv_heads
+    heads, kv_heads = _count(attn, HEADS) or 0, _count(attn, KV_HEADS) or 0
     if heads % size or kv_heads % size:
         raise GroupSumError(f"{heads} heads and {kv_heads} KV heads do not split into {size}")
     dim = int(attn.q_proj["weight"].shape[0]) // heads
@@ -91,7 +121,10 @@ def split_block(block: Any, rank: int, size: int) -> None:
     _rows(attn.k_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
     _rows(attn.v_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
     _columns(attn.o_proj, rank * hq * dim, (rank + 1) * hq * dim, keep_bias=rank == 0)
-    attn.n_heads, attn.n_kv_heads = hq, hkv
+    for names, n in ((HEADS, hq), (KV_HEADS, hkv)):  # every name the module may read
+        for name in names:
+            if isinstance(getattr(attn, name, None), int):
+                setattr(attn, name, n)
     inter = int(mlp.gate_proj["weight"].shape[0])
     if inter % size:
         raise GroupSumError(f"{inter} MLP columns do not split into {size}")

@@ -112,39 +112,37 @@ def layer_list(model: nn.Module) -> list[Any]:
     raise ValueError(f"{type(model).__module__}: cannot find the list its layers live in")
 
 
-def _embeddings(model: nn.Module, layers: list[Any]) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, key, module) of every embedding outside the layers."""
+def _outside(model: nn.Module, layers: list[Any]) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    """(parent, key, module) of every module outside the layers."""
     inside = {id(m) for layer in layers for _, m in layer.named_modules()}
-    found = []
     for _, parent in model.named_modules():
         if id(parent) in inside:
             continue
         for key, child in parent.children().items():
-            # A table of vectors by token (nn.Embedding's kinds), not a rotary "embedding" of positions.
-            table = isinstance(child, nn.Embedding | nn.QuantizedEmbedding)
-            if (table or type(child).__name__ == "CpuQuantizedEmbedding") and id(child) not in inside:
-                found.append((parent, key, child))
-    return found
+            if isinstance(child, nn.Module) and id(child) not in inside:
+                yield parent, key, child
+
+
+def _embeddings(model: nn.Module, layers: list[Any]) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, key, module) of every embedding outside the layers: a table of vectors by token
+    (nn.Embedding's kinds), not a rotary "embedding" of positions."""
+    kinds = nn.Embedding | nn.QuantizedEmbedding
+    return [
+        (parent, key, child)
+        for parent, key, child in _outside(model, layers)
+        if isinstance(child, kinds) or type(child).__name__ == "CpuQuantizedEmbedding"
+    ]
 
 
 def _heads(model: nn.Module, layers: list[Any], vocab: int) -> list[tuple[nn.Module, str]]:
     """(parent, key) of every linear outside the layers whose outputs are the vocabulary."""
-    inside = {id(m) for layer in layers for _, m in layer.named_modules()}
     found = []
-    for _, parent in model.named_modules():
-        if id(parent) in inside:
-            continue
-        for key, child in parent.children().items():
-            if not isinstance(child, nn.Module) or id(child) in inside or "Embedding" in type(child).__name__:
-                continue
-            w = child.get("weight") if isinstance(child, dict) else None
-            if (
-                isinstance(w, mx.array)
-                and w.ndim == 2
-                and w.shape[0] == vocab
-                and "Linear" in type(child).__name__
-            ):
-                found.append((parent, key))
+    for parent, key, child in _outside(model, layers):
+        w = child.get("weight")
+        name = type(child).__name__
+        linear = "Linear" in name and "Embedding" not in name
+        if linear and isinstance(w, mx.array) and w.ndim == 2 and w.shape[0] == vocab:
+            found.append((parent, key))
     return found
 
 

@@ -58,8 +58,8 @@ _SPLIT_TENSOR = re.compile(
     r"|\w*(norm|ln)\w*\.(weight|bias)|self_attn\.[qk]_(norm|layernorm)\.weight"
     r"|self_attn\.rotary_emb\.inv_freq"
 )
-# Layers whose tensors split and whose modules a group still cannot run (tests/test_groups_every_architecture.py
-# finds them): why, in one line.
+# Layers whose tensors split and whose modules a group still cannot run (found by
+# tests/test_groups_every_architecture.py): why, in one line.
 _NO_GROUPS = {
     "iquestloopcoder": "it runs every layer twice, the second time with the first pass's keys and values",
     "plamo": "its attention keeps its head counts under names a group does not know",

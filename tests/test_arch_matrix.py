@@ -31,7 +31,8 @@ def test_the_matrix_covers_every_architecture(rows: list[arch_matrix.MatrixRow])
         assert all(v.strip() and "\n" not in v for v in r.results.values()), r
         ran = {c for c, v in r.results.items() if v == arch_matrix.OK}
         assert all(set(r.paths[c].split(",")) <= {"fast", "generic"} for c in ran), r
-        stages = {"S1": 1, "S2": 2, "S3": 3, "batched": 1 if r.arch in PIPELINE_REFUSED else 2}
+        one = 1 if r.arch in PIPELINE_REFUSED else 2
+        stages = {"S1": 1, "S2": 2, "S3": 3, "batched": one, "resume": one}
         assert all(len(r.paths[c].split(",")) == stages[c] for c in ran), r
 
 

@@ -11,7 +11,11 @@ written to a directory once, and:
   the tokens must be the reference's, and the logits of every decoded position within TOLERANCE of its;
 - batched: the requests of PROMPTS (four lengths), each prefilled alone, then decoded together with
   `forward_rows` for BATCH_DECODE steps on the two stages of S=2 (on one where the architecture is served
-  on one stage only), each giving the tokens (and logits) the reference gives it alone.
+  on one stage only), each giving the tokens (and logits) the reference gives it alone;
+- resume: those stages again with fresh caches, as a new generation after a failure, replaying the request
+  as exact resume does (the prompt in its chunks, then each of the first RESUME_AT emitted tokens as a decode
+  step of its own), then decoding on: the reference's remaining tokens and logits. Runner processes killed
+  for real resume in tests/test_arch_resume.py, one architecture of each kind.
 
 An architecture mlx-lm itself cannot run here has its error as `refused` and no checks. Children run the
 architectures (a native crash costs one row, not the matrix). `python -m shardline.testing.arch_matrix`
@@ -51,7 +55,8 @@ PROMPTS = [PROMPT] + [[(p * i + 5 * p) % 250 + 3 for i in range(n)] for p, n in 
 # float32 rounding: at most 5e-7 of the spread over the whole matrix; every wrong path seen was off by 7e-2
 # or more.
 TOLERANCE = 1e-4
-CHECKS = ("S1", "S2", "S3", "batched")
+RESUME_AT = 5  # tokens emitted before the stages are lost
+CHECKS = ("S1", "S2", "S3", "batched", "resume")
 OK = "ok"
 
 
@@ -134,6 +139,31 @@ def batched(shards: list[Any], prompts: list[list[int]]) -> list[tuple[list[int]
         if n + 1 < BATCH_DECODE:
             step = _chain(shards, mx.array([[t[-1]] for t in tokens]), by_stage, rows=True)
     return [(t, mx.stack(s)) for t, s in zip(tokens, seen, strict=True)]
+
+
+def resumed(shards: list[Any], prompt: list[int], emitted: list[int]) -> tuple[list[int], mx.array]:
+    """Exact resume, as a new generation replays a request: fresh caches, the prompt in its chunks, then each
+    of the RESUME_AT tokens emitted before the failure as a decode step of its own; then greedy tokens to
+    DECODE in all, with the logits of each."""
+    caches = [s.make_cache(CHUNK) for s in shards]
+
+    def step(ids: list[int]) -> mx.array:
+        return _chain(shards, mx.array([ids]), caches, rows=False)
+
+    logits = None
+    for i in range(0, len(prompt), CHUNK):
+        logits = step(prompt[i : i + CHUNK])
+    for t in emitted[:RESUME_AT]:
+        logits = step([t])
+    tokens, seen = [], []
+    for _ in range(DECODE - RESUME_AT):
+        assert logits is not None
+        mx.eval(logits)
+        seen.append(logits)
+        tokens.append(int(mx.argmax(logits).item()))
+        if len(tokens) < DECODE - RESUME_AT:
+            logits = step([tokens[-1]])
+    return tokens, mx.stack(seen)
 
 
 def compare(got: tuple[list[int], mx.array], want: tuple[list[int], mx.array]) -> str:
@@ -236,6 +266,15 @@ def run_arch(arch: str, workdir: Path, seed: int = 0, tell: Callable[[str], None
         results["batched"] = next((w for w in wrong if not w.endswith(f": {OK}")), OK)
     except Exception as e:
         results["batched"] = _one_line(e)
+    # The same stages as a new generation would hold them: a resume replays the request into fresh caches.
+    tell("resume")
+    try:
+        shards = loaded.get(stages) or [load_shard(directory, r) for r in split_layers(total, stages)]
+        paths["resume"] = ",".join(s.path for s in shards)
+        after = (want[0][RESUME_AT:], want[1][RESUME_AT:])
+        results["resume"] = compare(resumed(shards, PROMPT, want[0]), after)
+    except Exception as e:
+        results["resume"] = _one_line(e)
     from shardline.models.footprint import footprint_from_dir
 
     tp = footprint_from_dir(directory).tensor_split
@@ -300,26 +339,27 @@ def _cell(row: MatrixRow, check: str) -> str:
     if row.results.get(check) != OK:
         return "FAIL"
     letters = "".join(p[0] for p in row.paths.get(check, "").split(","))  # f(ast) or g(eneric) per stage
-    return letters + (" (S1)" if check == "batched" and len(letters) == 1 else "")
+    return letters + (" (S1)" if check in ("batched", "resume") and len(letters) == 1 else "")
 
 
 def table(rows: list[MatrixRow]) -> str:
     """One line per architecture: each check's path per stage (f: fast, g: generic), FAIL, or - where mlx-lm
     itself does not run it; the reason; and the counts."""
-    lines = [f"{'architecture':<22} {'S1':<4} {'S2':<4} {'S3':<4} {'batched':<8} {'TP':<3} {'s':>4}  reason"]
+    checks = " ".join(f"{c:<{w}}" for c, w in zip(CHECKS, (4, 4, 4, 8, 8), strict=True))
+    lines = [f"{'architecture':<22} {checks} {'TP':<3} {'s':>4}  reason"]
     for r in rows:
         reason = r.refused or next((f"{c}: {r.results[c]}" for c in CHECKS if r.failed(c)), "")
         if not reason and r.arch in PIPELINE_REFUSED:
             reason = f"one stage only: {PIPELINE_REFUSED[r.arch]}"
-        cells = [f"{_cell(r, c):<{w}}" for c, w in zip(CHECKS, (4, 4, 4, 8), strict=True)]
+        cells = [f"{_cell(r, c):<{w}}" for c, w in zip(CHECKS, (4, 4, 4, 8, 8), strict=True)]
         tp = "-" if r.refused else ("no" if r.tp else "yes")
         lines.append(f"{r.arch:<22} {' '.join(cells)} {tp:<3} {r.seconds:>4.1f}  {reason}")
     ran = [r for r in rows if not r.refused]
-    one = [r for r in ran if not r.failed("S1") and not r.failed("batched")]
+    one = [r for r in ran if not any(r.failed(c) for c in ("S1", "batched", "resume"))]
     piped = [r for r in one if not r.failed("S2") and not r.failed("S3")]
     groups = [r for r in piped if not r.tp]
     lines.append(
-        f"found {len(rows)}; mlx-lm runs {len(ran)}; served on one stage, batched {len(one)}; "
+        f"found {len(rows)}; mlx-lm runs {len(ran)}; served on one stage, batched and resumed {len(one)}; "
         f"on 2 and 3 stages too {len(piped)}; in tensor-parallel groups {len(groups)}"
     )
     return "\n".join(lines)

@@ -172,6 +172,8 @@ def footprint(spec: SynthSpec, name: str = "synth") -> Any:
         head_dim=spec.head_dim,
         intermediate_size=spec.intermediate,
         quant_group=spec.group_size if spec.bits else 0,
+        tensor_split="",  # llama layers
+        model_type="llama",
     )
 
 

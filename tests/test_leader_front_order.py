@@ -34,7 +34,7 @@ class Events:
 def stub_leader() -> tuple[Leader, Events]:
     events = Events()
     spec: Any = stub_leader_spec(prefix_cache=True)
-    stage: Any = SimpleNamespace(kv_bytes_per_token=8)
+    stage: Any = SimpleNamespace(kv_bytes_per_token=8, shard=SimpleNamespace(prefix_reason=""))
     inbox: Any = SimpleNamespace(drop=lambda why: None)
     leader = Leader(
         spec,

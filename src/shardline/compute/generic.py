@@ -7,15 +7,16 @@ reads (`cache[self.fa_idx]`, `layer_types[i]`) still means what it means:
 
 - the layers this stage holds run as they are; the first of them (on a later stage) takes the hidden states
   that came over the ring instead of whatever reached it (`inject`);
-- the others are `Skip`s: they hand their input on, keep their module's attributes for the model to read
-  (`layer.use_sliding`), and hold no weights;
+- the others (`StageLayer`s in skip mode) hand their input on, keep their module's attributes for the model
+  to read (`layer.use_sliding`), and hold no weights;
 - on a stage before the last, the last held layer stops the call (`StageExit`) with its output.
 
-Each request's caches are the model's own `make_cache()` list, full length: held layers fill theirs; the
-others are ghosts that only count positions (`_advance`), since the model makes masks from whichever cache
-it likes (`cache[0]`, which on a later stage belongs to another machine's layer). A prefill chunk's logits
-are the head of its last position alone: the last held layer stops the call, and a second call with every
-layer skipped carries that one position through the model's own norm and head (`_tail`).
+Each request's caches are the model's own `make_cache()` list, full length: the caches the held layers are
+handed fill up; the others are ghosts that only count positions (`_advance`), since the model makes masks
+from whichever cache it likes (`cache[0]`, which on a later stage belongs to another machine's layer). A
+prefill chunk's logits are the head of its last position alone: the last held layer stops the call, and a
+second call with every layer skipped carries that one position through the model's own norm and head
+(`_tail`).
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ def _arrays(c: Any) -> Iterator[mx.array]:
 
 
 class ModelCaches:
-    """One request's caches on a generic stage: the model's own `make_cache()` list, full length (held
-    layers' caches hold positions; the others are ghosts that count them)."""
+    """One request's caches on a generic stage: the model's own `make_cache()` list, full length (the caches
+    the held layers are handed hold positions; the others are ghosts that count them)."""
 
     def __init__(self, full: list[Any], held: range) -> None:
         self.full = full

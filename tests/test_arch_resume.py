@@ -89,10 +89,6 @@ def test_family_batches_and_resumes_exactly_on_two_stages(zoo, start_engine, arc
     assert len(text) == 3 and text.isdigit(), text
 
 
-def test_prompts_cross_two_chunk_boundaries() -> None:
-    assert all(len(p) > 2 * STEP for p in PROMPTS)
-
-
 @pytest.mark.timeout(180)
 def test_a_generic_architecture_in_tensor_parallel_groups(zoo, start_engine):
     """gemma3_text (sliding windows, scaled embedding, extra norms) on 2 stages of 2-member groups: each

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from shardline.bench.machine import describe
-from shardline.compute import blas
+from shardline.bench.machine import describe, run_worker
 
 # The 4-bit variant's group size (mlx-lm's default), and the stage's KV block: the prefill chunk.
 GROUP_SIZE = 64
@@ -318,14 +316,7 @@ def _measure_in_child(variant: Variant, sizes: dict[str, Any], work: Work, root:
     # A fresh process per variant: the runners' BLAS is chosen in the environment before a process starts,
     # and one architecture's memory is gone before the next is built.
     args = {"variant": asdict(variant), "sizes": sizes, "work": asdict(work), "dir": str(root / variant.name)}
-    done = subprocess.run(
-        [sys.executable, "-c", "from shardline.bench.arch import _worker; _worker()", json.dumps(args)],
-        env=blas.runner_env(1),
-        capture_output=True,
-        text=True,
-        timeout=WORKER_TIMEOUT_S,
-        check=False,
-    )
+    done = run_worker("shardline.bench.arch", args, WORKER_TIMEOUT_S, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         return {"arch": variant.arch, "bits": variant.bits, "error": last[:300]}

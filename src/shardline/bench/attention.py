@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from shardline.bench.machine import describe
-from shardline.compute import blas
+from shardline.bench.machine import describe, run_worker
 
 CONTEXTS = (512, 1024, 2048, 3072)
 PREFILL_STEP = 128
@@ -92,15 +90,7 @@ def run(model: str | None, json_path: Path | None, rounds: int = 3) -> dict:
     args = {"shapes": shapes, "contexts": list(CONTEXTS), "n": PREFILL_STEP, "rounds": rounds}
     machine = describe()
     print(f"bench attention: {model_dir.name} heads on {machine['cpu']} ({machine['blas']})", file=sys.stderr)
-    # A fresh process: the BLAS a runner gets is chosen in its environment before it starts.
-    done = subprocess.run(
-        [sys.executable, "-c", "from shardline.bench.attention import _worker; _worker()", json.dumps(args)],
-        env=blas.runner_env(1),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=True,
-    )
+    done = run_worker("shardline.bench.attention", args, TIMEOUT_S, check=True)
     raw = json.loads(done.stdout.strip().splitlines()[-1])
     result: dict = {
         "machine": machine,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,6 +32,19 @@ def describe() -> dict[str, str | int]:
         "device": str(mx.default_device()),
         "blas": blas.describe(),
     }
+
+
+def run_worker(module: str, args: dict, timeout: float, check: bool) -> subprocess.CompletedProcess[str]:
+    """`module`'s `_worker()` in a fresh process given `args` as JSON: the BLAS a runner gets is chosen in
+    its environment before it starts (one thread), and what one measurement allocated is gone after it."""
+    return subprocess.run(
+        [sys.executable, "-c", f"from {module} import _worker; _worker()", json.dumps(args)],
+        env=blas.runner_env(1),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
+    )
 
 
 def peak_rss(pid: int) -> int:

@@ -10,16 +10,12 @@ tiled prefill attention (compute/attention.py) replaces the model's own where th
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from shardline.compute import attention
-
-Forward = Callable[[mx.array, Any], mx.array]
-
 
 FAST_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "rope", "q_norm", "k_norm"}
 

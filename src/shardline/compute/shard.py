@@ -105,13 +105,13 @@ class FastShard:
         model: nn.Module,
         layers: LayerRange,
         config: dict,
-        member: int = 0,
-        blocks: list | None = None,
-        tied: bool | None = None,
+        member: int,
+        blocks: list[Any],
+        tied: bool,
     ) -> None:
         self.model = model
         # The head is the embedding: read off the modules (generic.tied) before load drops any of them.
-        self.tied = tied if tied is not None else bool(model.args.tie_word_embeddings)
+        self.tied = tied
         self.range = layers
         self.config = config
         # A tensor-parallel group's member (compute/tensor_parallel.py); member 0, the face, alone embeds
@@ -121,7 +121,7 @@ class FastShard:
         inner = model.model
         keep_embed = layers.is_first or (layers.is_last and self.tied and self.face)
         self.embed = getattr(inner, "embed_tokens", None) if keep_embed else None
-        self.layers = list(inner.layers) if blocks is None else blocks
+        self.layers = blocks
         # An untied head splits by vocabulary rows across a last stage's group (split_head at load): each
         # member computes its rows' logits, and the face gathers them (join_group's `gather`).
         self.vocab_split = layers.is_last and "lm_head" in model and getattr(model, "vocab_split", False)
@@ -291,6 +291,7 @@ def load_shard(
         if not why and arch not in TENSOR_PARALLEL_ARCHITECTURES:
             why = f"tensor-parallel groups of {arch} blocks run the model's own forward"
     on_cpu = mx.default_device() == mx.cpu
+    budget = score_budget or attention.DEFAULT_SCORE_BUDGET
     generic = GenericShard(model, config, layers, member)
     if partial:
         _check_partial(model, Path(model_dir), layers)
@@ -308,25 +309,24 @@ def load_shard(
             make_cpu_quantized(model)
         mx.eval(model.parameters())
         gc.collect()
-        generic.why_generic = why
-        if on_cpu:
-            generic.bounded_attention = bounded_attention(
-                blocks[0], generic, score_budget or attention.DEFAULT_SCORE_BUDGET
-            )
-        return generic
+        return _generic(generic, why, blocks[0], budget)
     module = sys.modules[type(blocks[0]).__module__]
     stock = module.scaled_dot_product_attention
-    fast = _fast(text, text_config, layers, member, group, blocks, score_budget, generic.tied)
+    fast = _fast(text, text_config, layers, member, group, blocks, budget, generic.tied)
     if group == 1 and (why := fast_check(fast, generic, 4)):
-        generic.why_generic = why
-        if on_cpu:  # the fast path's attention, on the generic path only where it agrees there too
-            module.scaled_dot_product_attention = stock
-            generic.bounded_attention = bounded_attention(
-                blocks[0], generic, score_budget or attention.DEFAULT_SCORE_BUDGET
-            )
-        return generic
+        module.scaled_dot_product_attention = stock  # the fast path's attention, checked again below
+        return _generic(generic, why, blocks[0], budget)
     gc.collect()
     return fast
+
+
+def _generic(generic: GenericShard, why: str, block: nn.Module, budget: int) -> GenericShard:
+    """The generic path, saying why the fast one does not run it; the bounded prefill attention on CPU
+    where it agrees with the model's own (compute/path_check.py)."""
+    generic.why_generic = why
+    if mx.default_device() == mx.cpu:
+        generic.bounded_attention = bounded_attention(block, generic, budget)
+    return generic
 
 
 def _text_model(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
@@ -345,7 +345,7 @@ def _fast(
     member: int,
     group: int,
     blocks: list[Any],
-    score_budget: int | None,
+    score_budget: int,
     tied: bool,
 ) -> FastShard:
     inner = model.model
@@ -355,7 +355,7 @@ def _fast(
     if vocab_split:  # each member reads and computes its rows of the head (tensor_parallel.split_head)
         tensor_parallel.split_head(model.lm_head, member, group)
         model.vocab_split = True
-    attention.install(sys.modules[type(blocks[0]).__module__], score_budget or attention.DEFAULT_SCORE_BUDGET)
+    attention.install(sys.modules[type(blocks[0]).__module__], score_budget)
     keep_embed = layers.is_first or (layers.is_last and tied and face)
     if mx.default_device() == mx.cpu:
         if layers.is_last and "lm_head" in model and type(model.lm_head) is nn.Linear:  # an untied head

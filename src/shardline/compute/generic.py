@@ -207,6 +207,7 @@ class ModelCaches:
             c.values = mx.concatenate([v for _, v in shared[j]], axis=2)
             c.offset = count * block
         self.offset = count * block
+        # Before any forward `real` is empty; a model that takes blocks keeps one cache per layer, by index.
         for i, c in enumerate(self.full):
             if i not in self.held:
                 _advance(c, count * block)
@@ -223,8 +224,8 @@ class ModelCaches:
         ]
 
     def bytes_per_token(self) -> int:
-        """KV bytes one more position adds on the held layers (0 for windows full and recurrent state:
-        an upper bound, read off what is allocated)."""
+        """KV bytes one more position adds on the held layers, read off what is allocated: an upper bound
+        (a window counts as if it grew; recurrent state adds nothing)."""
         total = 0
         for c in self.full:
             if id(c) not in self.real:

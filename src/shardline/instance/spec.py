@@ -77,6 +77,9 @@ class RunnerSpec(InstanceSettings):
     kv_budget_bytes: int = 0  # the leader admits requests while their KV reservations fit; 0 = no limit
     group: int = 1  # runners in this stage's tensor-parallel group
     member: int = 0  # this runner's place in it (0: the face)
+    # An expert-parallel group (compute/experts.py): per layer of the stage, the member that holds each routed
+    # expert ([] for a dense layer). Empty: a tensor-parallel group, or no group.
+    expert_owners: list[list[int]] = []
     position: int | None = None  # the ring stage, where `slot` is past the ring's stages
     cpu: int | None = None
     parent_pid: int | None = None
@@ -129,6 +132,7 @@ def runner_spec(
     kv_budget_bytes: int,
     group: int = 1,
     member: int = 0,
+    expert_owners: list[list[int]] | None = None,
     position: int | None = None,
     model_dir: str = "",
     model: str = "",
@@ -153,6 +157,7 @@ def runner_spec(
         stages=stages,
         group=group,
         member=member,
+        expert_owners=expert_owners or [],
         position=position,
         model_dir=model_dir,
         model=model,

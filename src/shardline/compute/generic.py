@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as kv_cache
 
-from shardline.compute import tensor_parallel, tied_head
+from shardline.compute import expert_parallel, tied_head
 from shardline.compute.layer_range import LayerRange
 
 _RUN, _SKIP, _EMIT = "run", "skip", "emit"
@@ -265,6 +265,7 @@ class GenericShard:
     path = "generic"
     why_generic = ""  # set by load_shard: why the fast path does not run this stage
     bounded_attention = False  # set by load_shard: prefill attention in tiles (compute/path_check.py)
+    experts_split = False  # set by load_shard: an expert-parallel group's member (compute/expert_parallel.py)
 
     def __init__(self, model: nn.Module, config: dict, layers: LayerRange, member: int = 0) -> None:
         self.model = model
@@ -374,11 +375,11 @@ class GenericShard:
         return tied_head.finish(embed, dtype, self.hidden_size, packed)
 
     def join_group(self, reduce: Any, gather: Any = None) -> None:
-        """Each held block's row-parallel products (attention output, MLP down) end in the group's sum; the
-        face computes the whole head (no vocabulary split on this path)."""
+        """Each held block's partial sums end in the group's sum (compute/expert_parallel.py: join_block): a
+        tensor group's attention output and MLP down projection, any group's MoE module; the face computes the
+        whole head (no vocabulary split on this path)."""
         for block in self.layers:
-            block.self_attn.o_proj = tensor_parallel.GroupSum(block.self_attn.o_proj, reduce)
-            block.mlp.down_proj = tensor_parallel.GroupSum(block.mlp.down_proj, reduce)
+            expert_parallel.join_block(block, reduce, self.experts_split)
 
     def weight_bytes(self) -> int:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))

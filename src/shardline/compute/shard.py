@@ -18,7 +18,7 @@ from mlx_lm.models import cache as kv_cache
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import load_config, load_model
 
-from shardline.compute import attention, quantized, tensor_parallel, tied_head
+from shardline.compute import attention, expert_parallel, quantized, tensor_parallel, tied_head
 from shardline.compute.batched import DecodePlan, decode_stack
 from shardline.compute.generic import GenericShard, ZeroEmbedding
 from shardline.compute.layer_range import LayerRange, split_layers
@@ -262,11 +262,13 @@ def load_shard(
     score_budget: int | None = None,
     member: int = 0,
     group: int = 1,
+    expert_owners: list[list[int]] | None = None,
 ) -> Shard:
     """Materialise only this stage's weights (member `member`'s share of them, in a tensor-parallel group of
-    `group`): everything else stays a lazy, never-read array. The stage takes the fast path where its blocks
-    are llama-shaped and compute what the model's own forward computes (`fast_check`), else the generic one;
-    `shard.why_generic` says why. `SHARDLINE_FAST=0` keeps every stage generic."""
+    `group`, or an expert-parallel one where `expert_owners` maps each held layer's experts to members:
+    compute/expert_parallel.py): everything else stays a lazy, never-read array. The stage takes the fast
+    path where its blocks are llama-shaped and compute what the model's own forward computes (`fast_check`),
+    else the generic one; `shard.why_generic` says why. `SHARDLINE_FAST=0` keeps every stage generic."""
     config = load_config(Path(model_dir))
     check_architecture(config)
     # A stage directory fetched from a peer (cluster/weights/) holds only its own tensors, which strict
@@ -282,21 +284,30 @@ def load_shard(
     # A vision-language wrapper's text model (mistral3's language_model) takes the fast path as itself.
     text, text_config = _text_model(model, config)
     why = "SHARDLINE_FAST=0" if os.environ.get("SHARDLINE_FAST") == "0" else fast_structure(text, blocks)
+    owners = expert_owners if expert_owners and group > 1 else None
+    experts = owners is not None
+    if owners is not None and len(owners) != len(blocks):
+        raise ValueError(f"an expert map for {len(owners)} layers, the stage holds {len(blocks)}")
     if group > 1:
-        if reason := tensor_parallel.split_reason(blocks):
-            raise UnsupportedArchitectureError(f"tensor-parallel groups cannot split its blocks: {reason}")
-        tensor_parallel.check_split(text_config, group)
+        if reason := expert_parallel.group_split_reason(blocks, experts):
+            kind = "expert" if experts else "tensor"
+            raise UnsupportedArchitectureError(f"{kind}-parallel groups cannot split its blocks: {reason}")
+        if not experts:
+            tensor_parallel.check_split(text_config, group)
         # The fast blocks' sums are checked exact in groups for these; any other group runs generic.
         arch = mlx_lm_architecture(str(config.get("model_type")))
-        if not why and arch not in TENSOR_PARALLEL_ARCHITECTURES:
+        if experts:
+            why = why or "expert-parallel groups run the model's own forward"
+        elif not why and arch not in TENSOR_PARALLEL_ARCHITECTURES:
             why = f"tensor-parallel groups of {arch} blocks run the model's own forward"
     on_cpu = mx.default_device() == mx.cpu
     budget = score_budget or attention.DEFAULT_SCORE_BUDGET
     generic = GenericShard(model, config, layers, member)
     if partial:
         _check_partial(model, Path(model_dir), layers)
-    for layer in blocks:  # one layer at a time: only this member's slice is ever read in full
-        tensor_parallel.split_block(layer, member, group)
+    generic.experts_split = experts
+    for i, layer in enumerate(blocks):  # one layer at a time: only this member's slice is ever read in full
+        expert_parallel.split_member(layer, member, group, owners[i] if owners is not None else None)
         if on_cpu:
             if not why:  # llama-shaped blocks call their projections and nothing else reads them
                 make_input_major(layer)

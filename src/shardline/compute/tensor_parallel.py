@@ -36,26 +36,29 @@ def _own(a: mx.array) -> mx.array:
     return mx.contiguous(a)
 
 
-def _rows(linear: Any, start: int, stop: int) -> None:
-    """Keep output rows [start, stop) of a linear layer (float or affine-quantized)."""
+def rows(linear: Any, start: int, stop: int, axis: int = 0) -> None:
+    """Keep output rows [start, stop) of a linear layer (float or affine-quantized); axis 1 for a switch
+    layer's stacked experts (experts, out, in)."""
+    cut = (slice(None),) * axis + (slice(start, stop),)
     for name in ("weight", "scales", "biases", "bias"):
         if name in linear:
-            linear[name] = _own(linear[name][start:stop])
+            linear[name] = _own(linear[name][cut])
 
 
-def _columns(linear: Any, start: int, stop: int, keep_bias: bool) -> None:
-    """Keep input columns [start, stop) of a linear layer; its bias only where keep_bias (added once)."""
+def columns(linear: Any, start: int, stop: int, keep_bias: bool) -> None:
+    """Keep input columns [start, stop) of a linear layer (or of every stacked expert of a switch layer);
+    its bias only where keep_bias (added once)."""
     if _quantized(linear):
         per_word = 32 // linear.bits
         gs = linear.group_size
         if start % gs or stop % gs or start % per_word:
             raise GroupSumError(f"columns [{start}, {stop}) split quantization groups of {gs}")
-        linear["weight"] = _own(linear["weight"][:, start // per_word : stop // per_word])
-        linear["scales"] = _own(linear["scales"][:, start // gs : stop // gs])
+        linear["weight"] = _own(linear["weight"][..., start // per_word : stop // per_word])
+        linear["scales"] = _own(linear["scales"][..., start // gs : stop // gs])
         if "biases" in linear:
-            linear["biases"] = _own(linear["biases"][:, start // gs : stop // gs])
+            linear["biases"] = _own(linear["biases"][..., start // gs : stop // gs])
     else:
-        linear["weight"] = _own(linear["weight"][:, start:stop])
+        linear["weight"] = _own(linear["weight"][..., start:stop])
     if "bias" in linear and not keep_bias:
         linear.pop("bias")
 
@@ -91,54 +94,76 @@ def split_reason(blocks: list[Any]) -> str:
     """Why `split_block` cannot split these blocks ("" when it can): it slices self_attn's q/k/v/o
     projections by heads (n_heads, n_kv_heads) and mlp's gate/up/down by columns."""
     for block in blocks:
-        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if attn is None or not all(hasattr(attn, n) for n in names):
-            return "its attention is not self_attn with q/k/v/o projections"
-        if _count(attn, HEADS) is None or _count(attn, KV_HEADS) is None:
-            return "its attention keeps no head counts by a name a group can set"
-        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return "its MLP is not gate/up/down projections"
-        head_dim = int(attn.q_proj["weight"].shape[0]) // (_count(attn, HEADS) or 1)
-        for norm in ("q_norm", "k_norm"):
-            w = getattr(attn, norm, None)
-            if isinstance(w, nn.Module) and "weight" in w and w["weight"].shape[-1] != head_dim:
-                return f"its {norm} normalises all heads together, not each head"
+        if why := attention_split_reason(block) or mlp_split_reason(getattr(block, "mlp", None)):
+            return why
     return ""
 
 
+def attention_split_reason(block: Any) -> str:
+    attn = getattr(block, "self_attn", None)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if attn is None or not all(hasattr(attn, n) for n in names):
+        return "its attention is not self_attn with q/k/v/o projections"
+    if _count(attn, HEADS) is None or _count(attn, KV_HEADS) is None:
+        return "its attention keeps no head counts by a name a group can set"
+    head_dim = int(attn.q_proj["weight"].shape[0]) // (_count(attn, HEADS) or 1)
+    for norm in ("q_norm", "k_norm"):
+        w = getattr(attn, norm, None)
+        if isinstance(w, nn.Module) and "weight" in w and w["weight"].shape[-1] != head_dim:
+            return f"its {norm} normalises all heads together, not each head"
+    return ""
+
+
+def mlp_split_reason(mlp: Any, what: str = "MLP") -> str:
+    if mlp is None or not all(isinstance(getattr(mlp, n, None), nn.Module) for n in MLP_PROJECTIONS):
+        return f"its {what} is not gate/up/down projections"
+    return ""
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def split_block(block: Any, rank: int, size: int) -> None:
-    """Keep member `rank`'s share of a transformer block (in place), of a group of `size`."""
+    """Keep member `rank`'s share of a dense transformer block (in place), of a group of `size`."""
     if size == 1:
         return
-    attn, mlp = block.self_attn, block.mlp
+    split_attention(block.self_attn, rank, size)
+    split_mlp(block.mlp, rank, size)
+
+
+def split_attention(attn: Any, rank: int, size: int) -> None:
+    """Keep member `rank`'s heads of an attention module (q/k/v by output rows, o by input columns)."""
     heads, kv_heads = _count(attn, HEADS) or 0, _count(attn, KV_HEADS) or 0
     if heads % size or kv_heads % size:
         raise GroupSumError(f"{heads} heads and {kv_heads} KV heads do not split into {size}")
     dim = int(attn.q_proj["weight"].shape[0]) // heads
     hq, hkv = heads // size, kv_heads // size
-    _rows(attn.q_proj, rank * hq * dim, (rank + 1) * hq * dim)
-    _rows(attn.k_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
-    _rows(attn.v_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
-    _columns(attn.o_proj, rank * hq * dim, (rank + 1) * hq * dim, keep_bias=rank == 0)
+    rows(attn.q_proj, rank * hq * dim, (rank + 1) * hq * dim)
+    rows(attn.k_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
+    rows(attn.v_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
+    columns(attn.o_proj, rank * hq * dim, (rank + 1) * hq * dim, keep_bias=rank == 0)
     for names, n in ((HEADS, hq), (KV_HEADS, hkv)):  # every name the module may read
         for name in names:
             if isinstance(getattr(attn, name, None), int):
                 setattr(attn, name, n)
+
+
+def split_mlp(mlp: Any, rank: int, size: int) -> None:
+    """Keep member `rank`'s columns of a gate/up/down MLP."""
     inter = int(mlp.gate_proj["weight"].shape[0])
     if inter % size:
         raise GroupSumError(f"{inter} MLP columns do not split into {size}")
     part = inter // size
-    _rows(mlp.gate_proj, rank * part, (rank + 1) * part)
-    _rows(mlp.up_proj, rank * part, (rank + 1) * part)
-    _columns(mlp.down_proj, rank * part, (rank + 1) * part, keep_bias=rank == 0)
+    rows(mlp.gate_proj, rank * part, (rank + 1) * part)
+    rows(mlp.up_proj, rank * part, (rank + 1) * part)
+    columns(mlp.down_proj, rank * part, (rank + 1) * part, keep_bias=rank == 0)
 
 
 def split_head(head: Any, rank: int, size: int) -> None:
     """Keep member `rank`'s rows of an untied output head (vocabulary-parallel): its logits are a slice of
     the whole, which the face gathers in member order."""
-    rows = int(head["weight"].shape[0]) // size
-    _rows(head, rank * rows, (rank + 1) * rows)
+    part = int(head["weight"].shape[0]) // size
+    rows(head, rank * part, (rank + 1) * part)
 
 
 class GroupSum(nn.Module):

@@ -280,6 +280,7 @@ class Ready(Wire):
     kv_bytes_per_token: int = 0  # this stage's layers
     warmup: list[StepTime] = []  # seeds the step deadline before any real step ran
     path: str = ""  # "fast", or "generic: " and why the fast path does not run it (compute/shard.py)
+    expert_bytes: int = 0  # of weight_bytes, the routed experts it holds (an expert group's share)
 
 
 class Heartbeat(Wire):
@@ -309,6 +310,9 @@ class Heartbeat(Wire):
     group_sums: int = 0
     sum_us_decode: tuple[float, float] = (0.0, 0.0)
     sum_us_chunk: tuple[float, float] = (0.0, 0.0)
+    # An expert group's face: tokens routed to each expert of each of its layers since it loaded ([] for a
+    # dense layer): the load that routing-aware placement spreads (cluster/experts.py).
+    routed: list[list[int]] = []
     dropped: int = 0  # frames this runner refused: unparsable, another generation, unknown request
     requests: int = 0
 

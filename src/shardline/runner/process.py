@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from shardline.compute import attention
+from shardline.compute import attention, expert_parallel
 from shardline.compute.shard import LayerRange, UnsupportedArchitectureError, load_shard
 from shardline.dataplane import messages as m
 from shardline.dataplane.frame import FrameError
@@ -74,6 +74,7 @@ class RunnerProcess:
         self.phase: str = "loading"
         self.grace_s = 0.0  # announced bounded work under way (Heartbeat.grace_s)
         self.weight_bytes = 0
+        self.blocks: list[Any] = []
         self.path = ""  # the shard's compute path, for Ready
         self.group: GroupFace | GroupMember | None = None
 
@@ -117,12 +118,15 @@ class RunnerProcess:
         layers = LayerRange(spec.layer_start, spec.layer_end, spec.layer_total)
         # Attention scratch per head: one chunk attending to TILE_KEYS keys, at any context length.
         budget = spec.score_budget or attention.score_budget(spec.prefill_step)
-        shard = load_shard(Path(spec.model_dir), layers, budget, spec.member, spec.group)
+        shard = load_shard(
+            Path(spec.model_dir), layers, budget, spec.member, spec.group, spec.expert_owners or None
+        )
         self.stage = self.mirrored = StageCompute(shard, Path(spec.model_dir), block=spec.prefill_step)
         if self.stage.matchers is not None:
             self.stage.matchers.grace = self.grace
             self.stage.matchers.on_build = lambda: self.faults.at_tokenizer_build()
         self.weight_bytes = shard.weight_bytes()
+        self.blocks = list(shard.layers)  # the held blocks, whose experts' routing the face reports
         self.path = shard.path if not shard.why_generic else f"{shard.path}: {shard.why_generic}"
         print(f"layers [{spec.layer_start}, {spec.layer_end}): {self.path} path", file=sys.stderr, flush=True)
         self.speed.attn_keys = 6 * shard.hidden_size
@@ -243,6 +247,7 @@ class RunnerProcess:
                 kv_bytes_per_token=self.stage.kv_bytes_per_token,
                 warmup=warmup,
                 path=self.path,
+                expert_bytes=expert_parallel.expert_bytes(self.blocks),
             )
         )
         self.phase = "ready"
@@ -276,9 +281,15 @@ class RunnerProcess:
             constraint_tokenizer=bool(w and w.matchers and w.matchers.loaded),
             grace_s=self.grace_s,
             **self._group_figures(),
+            routed=self._routed(),
             dropped=self.inbox.dropped,
             requests=len(self.leader.requests) if self.leader else len(w.caches) if w else 0,
         )
+
+    def _routed(self) -> list[list[int]]:
+        # Every member routes every token alike: the face alone reports it.
+        face_of_experts = self.spec.expert_owners and self.spec.is_face and self.phase == "ready"
+        return expert_parallel.routed_counts(self.blocks) if face_of_experts else []
 
     def _heartbeat(self) -> None:
         while True:

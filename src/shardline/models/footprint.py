@@ -68,6 +68,31 @@ _SPLIT_NEEDS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
     f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")
 )
 
+# Mixture of experts. Routed experts sit in a module of mlx-lm's switch layers (`mlp.switch_mlp`,
+# `block_sparse_moe.switch_mlp`, gpt_oss's `mlp.experts`, `mlp.experts.switch_mlp`), each tensor stacked with
+# the expert first; a checkpoint before mlx-lm's sanitize numbers them (`mlp.experts.N.`).
+_SWITCH = re.compile(r"(?:^|\.)(\w*switch\w*|experts)$")
+_NUMBERED_EXPERT = re.compile(r"^(?P<switch>(?:.*\.)?experts)\.(?P<expert>\d+)\.")
+# What the MoE module may hold besides its routed experts: the router's parts (replicated on every member)
+# and shared experts under the names compute/expert_parallel.py splits by columns (its SHARED_NAMES).
+_SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp")
+_ROUTER_PARTS = frozenset({"gate", "router", "e_score_correction_bias", "expert_bias", "shared_expert_gate"})
+_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_ACTIVE_KEYS = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "moe_topk",
+    "moe_top_k",
+    "moe_k",
+    "num_selected_experts",
+)
+# MoE layers an expert group cannot run although their parts are known: why, in one line.
+_NO_EXPERT_GROUPS = {
+    "longcat_flash": "its zero experts add the input itself, which every member would add again",
+    "longcat_flash_ngram": "its zero experts add the input itself, which every member would add again",
+}
+NO_EXPERTS = "the model has no routed experts"
+
 
 class ModelFootprint(BaseModel):
     """What a model needs, per part; sent inside node reports, so pydantic and tolerant of extra fields."""
@@ -96,6 +121,13 @@ class ModelFootprint(BaseModel):
     # "" where a tensor-parallel group can split every layer (compute/tensor_parallel.py), else why not.
     tensor_split: str = OLD_REPORT
     model_type: str = ""  # config.json's; "" in old reports (llama, qwen2 and qwen3 only)
+    # Mixture of experts (cluster/experts.py); dense models and old reports: none.
+    experts: int = Field(0, ge=0)  # routed experts of each MoE layer
+    experts_active: int = Field(0, ge=0)  # routed experts a token goes to
+    expert_bytes: list[int] = []  # per layer: its routed experts' bytes (0: a dense layer); []: no MoE
+    shared_expert_bytes: list[int] = []  # per layer: its shared experts' bytes (an expert group splits them)
+    # "" where an expert-parallel group can hold whole experts of every MoE layer, else why not.
+    expert_split: str = NO_EXPERTS
 
     @model_validator(mode="before")
     @classmethod
@@ -111,7 +143,24 @@ class ModelFootprint(BaseModel):
     def _one_size_per_layer(self) -> ModelFootprint:
         if len(self.layer_bytes) != self.layers or min(self.layer_bytes) < 0:
             raise ValueError(f"layer_bytes needs {self.layers} sizes >= 0, got {len(self.layer_bytes)}")
+        for name in ("expert_bytes", "shared_expert_bytes"):
+            sizes = getattr(self, name)
+            if sizes and (len(sizes) != self.layers or min(sizes) < 0):
+                raise ValueError(f"{name} needs none or {self.layers} sizes >= 0, got {len(sizes)}")
+        if any(self.expert_at(i) + self.shared_at(i) > b for i, b in enumerate(self.layer_bytes)):
+            raise ValueError("a layer's experts take more bytes than the layer")
         return self
+
+    def expert_at(self, layer: int) -> int:
+        """Bytes of layer `layer`'s routed experts (0: a dense layer)."""
+        return self.expert_bytes[layer] if self.expert_bytes else 0
+
+    def shared_at(self, layer: int) -> int:
+        return self.shared_expert_bytes[layer] if self.shared_expert_bytes else 0
+
+    def moe_layers(self, start: int, end: int) -> int:
+        """MoE layers in [start, end)."""
+        return sum(1 for i in range(start, end) if self.expert_at(i))
 
     @property
     def weight_bytes(self) -> int:
@@ -243,6 +292,76 @@ def _split_refusal(
     return ""
 
 
+@dataclass
+class _Experts:
+    """The mixture of experts of a model's layers, as their tensors' names and shapes say."""
+
+    experts: int = 0
+    expert_bytes: list[int] | None = None
+    shared_bytes: list[int] | None = None
+    why: str = NO_EXPERTS
+
+
+def _switches(tensors: Mapping[str, _HeaderEntry]) -> dict[str, int]:
+    """The modules of routed experts in one layer's tensors (names within the layer), each with its count."""
+    stacked: dict[str, set[int]] = {}
+    numbered: dict[str, set[int]] = {}
+    for name, t in tensors.items():
+        if m := _NUMBERED_EXPERT.match(name):
+            numbered.setdefault(m["switch"], set()).add(int(m["expert"]))
+            continue
+        module = name.rpartition(".")[0]
+        for switch in (module, module.rpartition(".")[0]):  # the module itself, or the linear's parent
+            shared = switch.rpartition(".")[2].startswith("shared")
+            if len(t.shape) >= 3 and _SWITCH.search(switch) and not shared:
+                stacked.setdefault(switch, set()).add(t.shape[0])
+                break
+    # A stacked switch's tensors all have the experts first (a bias too: (experts, out)).
+    return {**{s: max(n) + 1 for s, n in numbered.items()}, **{s: max(c) for s, c in stacked.items()}}
+
+
+def _layer_experts(tensors: Mapping[str, _HeaderEntry]) -> tuple[int, int, int, str]:
+    """(routed experts, their bytes, shared experts' bytes, why an expert group cannot hold them or "") of
+    one layer, from its tensors (names within the layer); (0, 0, 0, "") for a dense layer."""
+    switches = _switches(tensors)
+    if not switches:
+        return 0, 0, 0, ""
+    counts = set(switches.values())
+    routed = sum(t.nbytes for n, t in tensors.items() if any(n.startswith(f"{s}.") for s in switches))
+    why = "" if len(counts) == 1 else f"its switch layers hold {sorted(counts)} experts"
+    shared = 0
+    for switch in switches:
+        moe, _, own = switch.rpartition(".")
+        if not moe:  # the experts sit in the layer itself: nothing to tell a router from the rest
+            continue
+        parts = {n[len(moe) + 1 :].split(".")[0] for n in tensors if n.startswith(f"{moe}.")}
+        for part in sorted(parts - {own}):
+            where = f"{moe}.{part}"
+            if part in _SHARED_EXPERTS:
+                held = [n for n in tensors if n.startswith(f"{where}.")]
+                shared += sum(tensors[n].nbytes for n in held)
+                if not all(any(f".{p}_proj." in n for n in held) for p in ("gate", "up", "down")):
+                    why = why or f"its shared experts ({where}) are not gate/up/down projections"
+            elif part not in _ROUTER_PARTS:
+                why = why or f"its mixture of experts holds {where}, which an expert group does not split"
+    return max(counts), routed, shared, why
+
+
+def _experts(arch: str, config: Mapping[str, Any], per_layer: list[dict[str, _HeaderEntry]]) -> _Experts:
+    found = [_layer_experts(tensors) for tensors in per_layer]
+    counts = {e for e, *_ in found if e}
+    if not counts:
+        return _Experts()
+    stated = _first(config, *_EXPERTS_KEYS)
+    why = next((w for *_, w in found if w), "")
+    if len(counts) > 1:
+        why = f"its MoE layers differ in expert count ({sorted(counts)})"
+    elif stated and stated not in counts:  # tensors are what the runner holds: they decide
+        why = why or f"config.json says {stated} experts, its tensors hold {min(counts)}"
+    why = _NO_EXPERT_GROUPS.get(arch, why)
+    return _Experts(max(counts), [b for _, b, _, _ in found], [s for _, _, s, _ in found], why)
+
+
 def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootprint:
     """Footprint of an mlx-lm model directory. Raises CorruptModelError for unusable files."""
     model_dir = Path(model_dir)
@@ -313,6 +432,9 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
     within = {n for tensors in per_layer for n in tensors}
     kv = _kv_elements(config, arch, (heads, kv_heads, head_dim), within) * _attentions_per_layer(config, arch)
     head_matrix = any(_HEAD_MATRIX.search(t) for t, at in indexed.items() if at is None)
+    moe = _experts(arch, config, per_layer)
+    # Unstated: one expert a token (mlx-lm's default where a model has the figure at all).
+    active = min(moe.experts, _first(config, *_ACTIVE_KEYS) or 1) if moe.experts else 0
     return ModelFootprint(
         name=name or model_dir.name,
         layers=layers,
@@ -336,4 +458,9 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
         quant_group=int((top.get("quantization") or {}).get("group_size") or 0),
         tensor_split=_split_refusal(arch, config, per_layer, head_dim),
         model_type=model_type,
+        experts=moe.experts,
+        experts_active=active,
+        expert_bytes=moe.expert_bytes or [],
+        shared_expert_bytes=moe.shared_bytes or [],
+        expert_split=moe.why,
     )

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "mlx/version.h"
+#include "gather.h"
 #include "group_sum.h"
 #include "ops.h"
 #include "primitive.h"
@@ -24,6 +25,10 @@ NB_MODULE(_qmm, m) {
   m.def("quantized_matmul_many", &shardline_qmm::quantized_matmul_many, "x"_a, "ws"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x against several weight sets of one format in one op (x prepared once); one output per set.");
+  m.def("gather_qmm", &shardline_qmm::gather_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,
+        "group_size"_a, "bits"_a, "sorted_indices"_a = false,
+        "mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True) on the CPU (affine, bits 4 "
+        "or 8; group 32/64/128): each expert's pairs run as one product, its weights read once.");
   m.def("quantized_swiglu", &shardline_qmm::quantized_swiglu, "x"_a, "w_gate"_a, "s_gate"_a, "b_gate"_a,
         "w_up"_a, "s_up"_a, "b_up"_a, "group_size"_a, "bits"_a,
         "silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) in one op (float32 x).");

@@ -1,5 +1,6 @@
 #include "primitive.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <sstream>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "kernel.h"
+#include "product.h"
 #include "small_op.h"
 #include "util.h"
 #include "mlx/allocator.h"
@@ -40,58 +42,22 @@ void from_float(const float* src, T* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-ScaleType scale_type(mx::Dtype t) {
-  if (t == mx::float32) return ScaleType::F32;
-  if (t == mx::float16) return ScaleType::F16;
-  return ScaleType::BF16;
-}
-
 // x as the chosen kernel path reads it (thread-local buffers, valid until the next call on this thread).
 struct PreparedX {
   int M = 0, K = 0;
-  const float* rows = nullptr;  // float32, permuted for 4-bit float kernels
-  bool gemm = false, integer = false;
-  QX q;
+  Path path = Path::Float;
+  Prepared rows;
 };
 
 PreparedX prepare(const mx::array& x, int group_size, int bits) {
   PreparedX px;
   px.K = x.shape(-1);
   px.M = px.K ? int(x.size() / px.K) : 0;
-  const int M = px.M, K = px.K;
-  if (M == 0) return px;
-  thread_local std::vector<uint8_t> xb;
+  if (px.M == 0) return px;
   thread_local std::vector<float> xf, xp, dx, xsum;
   thread_local std::vector<int16_t> q16;
-  const size_t mk = size_t(M) * K;
-  const uint8_t* xbytes = contiguous_bytes(x, xb);
-  if (x.dtype() == mx::float32) {
-    px.rows = reinterpret_cast<const float*>(xbytes);
-  } else {
-    xf.resize(mk);
-    if (x.dtype() == mx::float16)
-      to_float(reinterpret_cast<const mx::float16_t*>(xbytes), xf.data(), mk);
-    else
-      to_float(reinterpret_cast<const mx::bfloat16_t*>(xbytes), xf.data(), mk);
-    px.rows = xf.data();
-  }
-  const Kernels* k = g_kernels.load(std::memory_order_relaxed);
-  const int gemm_from = g_gemm_rows.load(std::memory_order_relaxed);
-  px.gemm = gemm_from > 0 && M >= gemm_from && cblas_sgemm;
-  px.integer = !px.gemm && k->int_rows && g_integer.load(std::memory_order_relaxed);
-  if (px.integer) {
-    q16.resize(mk);
-    dx.resize(size_t(M) * (K / 32));
-    xsum.resize(size_t(M) * (K / group_size));
-    k->int_prepare(px.rows, M, K, bits, group_size, q16.data(), dx.data(), xsum.data());
-    px.q.q = q16.data();
-    px.q.dx = dx.data();
-    px.q.xsum = xsum.data();
-  } else if (bits == 4) {
-    xp.resize(mk);
-    prepare_x(px.rows, M, K, bits, xp.data());
-    px.rows = xp.data();
-  }
+  px.path = path_for(px.M);
+  px.rows = prepare_rows(float_rows(x, xf), px.M, px.K, group_size, bits, px.path, xp, q16, dx, xsum);
   return px;
 }
 
@@ -102,11 +68,8 @@ void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const
   const int M = px.M, K = px.K, N = w.shape(0);
   if (M == 0 || N == 0) return;
   thread_local std::vector<uint8_t> wb, sbuf, bbuf;
-  thread_local std::vector<float> tile;
-  const Kernels* k = g_kernels.load(std::memory_order_relaxed);
-
   Problem p;
-  p.x = px.rows;
+  p.x = px.rows.rows;
   p.M = M;
   p.K = K;
   p.N = N;
@@ -118,20 +81,7 @@ void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const
   p.bits = bits;
   p.ldy = size_t(N);
   p.y = y;
-  if (px.integer) {
-    k->int_rows(p, px.q, 0, N);
-  } else if (px.gemm) {
-    // Many rows: dequantize a tile of w once and let BLAS reuse it across all of them.
-    tile.resize(size_t(kTileRows) * K);
-    for (int n0 = 0; n0 < N; n0 += kTileRows) {
-      const int n1 = std::min(N, n0 + kTileRows);
-      k->dequant(p, n0, n1, tile.data());
-      cblas_sgemm(101 /* row major */, 111 /* no trans */, 112 /* trans */, M, n1 - n0, K, 1.0f, p.x, K,
-                  tile.data(), K, 0.0f, p.y + n0, int(p.ldy));
-    }
-  } else {
-    k->rows(p, 0, N);
-  }
+  run_problem(p, px.rows.q, px.path);
 }
 
 // out = px @ dequantize(w, scales, biases).T in out's dtype.
@@ -144,15 +94,100 @@ void run(const PreparedX& px, const mx::array& w, const mx::array& scales, const
   thread_local std::vector<float> ys;
   ys.resize(out.size());
   run(px, w, scales, biases, ys.data(), group_size, bits);
-  if (out.dtype() == mx::float16)
-    from_float(ys.data(), out.data<mx::float16_t>(), ys.size());
-  else
-    from_float(ys.data(), out.data<mx::bfloat16_t>(), ys.size());
+  store(ys.data(), out, 0, ys.size());
 }
 
 bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
 
 }  // namespace
+
+Path path_for(int M) {
+  const Kernels* k = g_kernels.load(std::memory_order_relaxed);
+  const int gemm_from = g_gemm_rows.load(std::memory_order_relaxed);
+  if (gemm_from > 0 && M >= gemm_from && cblas_sgemm) return Path::Gemm;
+  return k->int_rows && g_integer.load(std::memory_order_relaxed) ? Path::Integer : Path::Float;
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::F32;
+  if (t == mx::float16) return ScaleType::F16;
+  return ScaleType::BF16;
+}
+
+const float* float_rows(const mx::array& x, std::vector<float>& buf) {
+  thread_local std::vector<uint8_t> xb;
+  const uint8_t* bytes = contiguous_bytes(x, xb);
+  if (x.dtype() == mx::float32) return reinterpret_cast<const float*>(bytes);
+  buf.resize(x.size());
+  if (x.dtype() == mx::float16)
+    to_float(reinterpret_cast<const mx::float16_t*>(bytes), buf.data(), x.size());
+  else
+    to_float(reinterpret_cast<const mx::bfloat16_t*>(bytes), buf.data(), x.size());
+  return buf.data();
+}
+
+Prepared prepare_rows(const float* x, int M, int K, int group_size, int bits, Path path, std::vector<float>& xp,
+                      std::vector<int16_t>& q16, std::vector<float>& dx, std::vector<float>& xsum) {
+  Prepared px;
+  px.rows = x;
+  const size_t mk = size_t(M) * K;
+  if (path == Path::Integer) {
+    q16.resize(mk);
+    dx.resize(size_t(M) * (K / 32));
+    xsum.resize(size_t(M) * (K / group_size));
+    g_kernels.load(std::memory_order_relaxed)->int_prepare(x, M, K, bits, group_size, q16.data(), dx.data(),
+                                                           xsum.data());
+    px.q.q = q16.data();
+    px.q.dx = dx.data();
+    px.q.xsum = xsum.data();
+  } else if (bits == 4) {
+    xp.resize(mk);
+    prepare_x(x, M, K, bits, xp.data());
+    px.rows = xp.data();
+  }
+  return px;
+}
+
+Prepared offset_rows(const Prepared& px, Path path, int row0, int K, int group_size) {
+  Prepared out;
+  if (path == Path::Integer) {
+    out.q.q = px.q.q + size_t(row0) * K;
+    out.q.dx = px.q.dx + size_t(row0) * (K / 32);
+    out.q.xsum = px.q.xsum + size_t(row0) * (K / group_size);
+  } else {
+    out.rows = px.rows + size_t(row0) * K;
+  }
+  return out;
+}
+
+void run_problem(const Problem& p, const QX& xq, Path path) {
+  if (p.M == 0 || p.N == 0) return;
+  const Kernels* k = g_kernels.load(std::memory_order_relaxed);
+  if (path == Path::Integer) {
+    k->int_rows(p, xq, 0, p.N);
+  } else if (path == Path::Gemm) {
+    // Many rows: dequantize a tile of w once and let BLAS reuse it across all of them.
+    thread_local std::vector<float> tile;
+    tile.resize(size_t(kTileRows) * p.K);
+    for (int n0 = 0; n0 < p.N; n0 += kTileRows) {
+      const int n1 = std::min(p.N, n0 + kTileRows);
+      k->dequant(p, n0, n1, tile.data());
+      cblas_sgemm(101 /* row major */, 111 /* no trans */, 112 /* trans */, p.M, n1 - n0, p.K, 1.0f, p.x, p.K,
+                  tile.data(), p.K, 0.0f, p.y + n0, int(p.ldy));
+    }
+  } else {
+    k->rows(p, 0, p.N);
+  }
+}
+
+void store(const float* y, mx::array& out, size_t at, size_t n) {
+  if (out.dtype() == mx::float32)
+    std::memcpy(out.data<float>() + at, y, n * sizeof(float));
+  else if (out.dtype() == mx::float16)
+    from_float(y, out.data<mx::float16_t>() + at, n);
+  else
+    from_float(y, out.data<mx::bfloat16_t>() + at, n);
+}
 
 void QuantizedMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   dispatch_cpu(stream(), inputs, outputs, [gs = group_size_, bits = bits_, swiglu = swiglu_](

@@ -9,9 +9,10 @@ arithmetic on the dequantized weights on other CPUs); from there on it dequantiz
 calls BLAS. The integer path's only difference from the float32 product is x's rounding (at
 most max|x_block| / 65534 per element); SHARDLINE_QMM_INT=0 keeps every product in float32.
 
-GPU builds keep MLX's own kernels: `load_shard` installs these layers only when the default device is the
-CPU. A build without the module (or against another MLX release, whose C++ ABI may differ) falls back to
-MLX's op with one warning.
+Mixture-of-experts layers (mlx-lm's QuantizedSwitchLinear, MLX's `gather_qmm`) get the gathered twin of
+this kernel: compute/quantized_experts.py. GPU builds keep MLX's own kernels: `load_shard` installs these
+layers only when the default device is the CPU. A build without the module (or against another MLX
+release, whose C++ ABI may differ) falls back to MLX's op with one warning.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 log = logging.getLogger("shardline.compute")
 
@@ -174,6 +176,11 @@ def cpu_quantized(m: nn.Module) -> nn.Module:
         return CpuQuantizedLinear.of(m)
     if type(m) is nn.QuantizedEmbedding and _eligible(m):
         return CpuQuantizedEmbedding.of(m)
+    if type(m) is QuantizedSwitchLinear and _eligible(m) and m.get("global_scale") is None:
+        # Imported here: quantized_experts builds on this module.
+        from shardline.compute.quantized_experts import CpuQuantizedSwitchLinear
+
+        return CpuQuantizedSwitchLinear.of(m)
     return m
 
 

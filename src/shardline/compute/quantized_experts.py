@@ -1,0 +1,193 @@
+"""Mixture-of-experts layers on CPU: shardline's native gathered product in place of MLX's `gather_qmm`.
+
+mlx-lm's expert layers (SwitchGLU, SwitchMLP) project through `QuantizedSwitchLinear`, which calls
+`mx.gather_qmm`; on the CPU that runs one element at a time, as MLX's `quantized_matmul` does. The native
+op (csrc/qmm/gather.cpp) runs the same product with the dense kernel's row kernels on each selected expert's
+slice of the weights, in place: the pairs (row of x, expert) that share an expert run as one product of all
+their rows, so a prefill reads each expert once, and a decode step (one row, k experts) is k small
+products at the dense kernel's speed. Its numbers are the dense kernel's for the same rows: integer dot
+products on x rounded to int16 below `gemm_rows` rows per expert, BLAS on dequantized tiles from there.
+
+`quantized.cpu_quantized` swaps a supported `QuantizedSwitchLinear` for `CpuQuantizedSwitchLinear` on the
+CPU, with the dense layer's fallback rules; `measure` times a decode step against MLX's op and the dense
+kernel on the same bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from shardline.compute.quantized import native, supported
+
+
+def gather_qmm(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    indices: mx.array,
+    group_size: int,
+    bits: int,
+    sorted_indices: bool = False,
+) -> mx.array:
+    """mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, ...) in affine mode, on the
+    native kernel when it can."""
+    module = native()
+    if module is not None and supported(bits, group_size):
+        return module.gather_qmm(x, w, scales, biases, indices, group_size, bits, sorted_indices)
+    return mx.gather_qmm(
+        x,
+        w,
+        scales,
+        biases,
+        rhs_indices=indices,
+        transpose=True,
+        group_size=group_size,
+        bits=bits,
+        sorted_indices=sorted_indices,
+    )
+
+
+class CpuQuantizedSwitchLinear(nn.Module):
+    """mlx-lm's `QuantizedSwitchLinear` (affine mode) on the native kernel; same parameters under the same
+    names, the same call. Shapes are read from the arrays, so a layer holding a subset of the experts, or a
+    slice of their rows or columns, works as given."""
+
+    def __init__(
+        self,
+        weight: mx.array,
+        scales: mx.array,
+        biases: mx.array,
+        bias: mx.array | None,
+        group_size: int,
+        bits: int,
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.scales = scales
+        self.biases = biases
+        if bias is not None:
+            self.bias = bias
+        self.group_size = group_size
+        self.bits = bits
+        self.mode = "affine"
+        self.freeze()  # as mlx-lm's layer: inference weights
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> CpuQuantizedSwitchLinear:
+        return cls(
+            layer["weight"],
+            layer["scales"],
+            layer["biases"],
+            layer.get("bias"),
+            layer.group_size,
+            layer.bits,
+        )
+
+    @property
+    def input_dims(self) -> int:
+        return self["scales"].shape[2] * self.group_size
+
+    @property
+    def output_dims(self) -> int:
+        return self["weight"].shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self["weight"].shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        y = gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            indices,
+            self.group_size,
+            self.bits,
+            sorted_indices,
+        )
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
+def _time(fn: Any, repeat: int) -> float:
+    """Median seconds of fn() evaluated, after two warm-up calls."""
+    for _ in range(2):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(
+    experts: int = 64,
+    k: int = 8,
+    shapes: tuple[tuple[int, int], ...] = ((1024, 768), (768, 1024)),
+    bits: int = 4,
+    group_size: int = 64,
+    repeat: int = 50,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Times one decode row through k of `experts` experts, for each (in, out) of `shapes`: the native
+    gathered op, MLX's gather_qmm, and the dense native kernel over the same bytes (the k experts' rows
+    stacked as one matrix). GB/s counts the selected experts' weights, scales and biases, once per call.
+    -> {"isa", "bits", "group_size", "experts", "k", "shapes": [{"in", "out", "bytes", and per op
+    "<op>_us" and "<op>_gbps" for op in native, mlx, dense}]}; {"error": ...} without the module."""
+    module = native()
+    if module is None or not supported(bits, group_size):
+        return {"error": "the native kernel is unavailable or does not support this format"}
+    cpu = mx.Device(mx.cpu)
+    results: list[dict[str, Any]] = []
+    with mx.stream(cpu):
+        mx.random.seed(seed)
+        for k_in, n_out in shapes:
+            w = mx.random.normal((experts, n_out, k_in)) * 0.05
+            q, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+            s, b = s.astype(mx.float16), b.astype(mx.float16)
+            x = mx.random.normal((1, 1, 1, 1, k_in))
+            chosen = list(range(0, experts, max(1, experts // k)))[:k]  # spread over the experts
+            idx = mx.array(chosen, dtype=mx.uint32).reshape(1, 1, k)
+            dq, ds, db = (a[idx.reshape(-1)].reshape(k * n_out, -1) for a in (q, s, b))
+            x2 = x.reshape(1, k_in)
+            mx.eval(q, s, b, x, idx, dq, ds, db)
+            nbytes = dq.nbytes + ds.nbytes + db.nbytes
+            ops = {
+                "native": lambda x=x, q=q, s=s, b=b, idx=idx: module.gather_qmm(
+                    x, q, s, b, idx, group_size, bits
+                ),
+                "mlx": lambda x=x, q=q, s=s, b=b, idx=idx: mx.gather_qmm(
+                    x, q, s, b, rhs_indices=idx, transpose=True, group_size=group_size, bits=bits
+                ),
+                "dense": lambda x2=x2, dq=dq, ds=ds, db=db: module.quantized_matmul(
+                    x2, dq, ds, db, group_size, bits
+                ),
+            }
+            row: dict[str, Any] = {"in": k_in, "out": n_out, "bytes": nbytes}
+            for name, fn in ops.items():
+                seconds = _time(fn, repeat)
+                row[f"{name}_us"] = round(seconds * 1e6, 1)
+                row[f"{name}_gbps"] = round(nbytes / seconds / 1e9, 2)
+            results.append(row)
+    return {
+        "isa": module.isa(),
+        "bits": bits,
+        "group_size": group_size,
+        "experts": experts,
+        "k": k,
+        "shapes": results,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(measure(), indent=2))

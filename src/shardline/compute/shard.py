@@ -289,13 +289,14 @@ def load_shard(
     if owners is not None and len(owners) != len(blocks):
         raise ValueError(f"an expert map for {len(owners)} layers, the stage holds {len(blocks)}")
     if group > 1:
-        if reason := expert_parallel.group_split_reason(blocks, experts):
+        arch = mlx_lm_architecture(str(config.get("model_type")))
+        reason = expert_parallel.NO_EXPERT_GROUPS.get(arch, "") if experts else ""
+        if reason := reason or expert_parallel.group_split_reason(blocks, experts):
             kind = "expert" if experts else "tensor"
             raise UnsupportedArchitectureError(f"{kind}-parallel groups cannot split its blocks: {reason}")
         if not experts:
             tensor_parallel.check_split(text_config, group)
         # The fast blocks' sums are checked exact in groups for these; any other group runs generic.
-        arch = mlx_lm_architecture(str(config.get("model_type")))
         if experts:
             why = why or "expert-parallel groups run the model's own forward"
         elif not why and arch not in TENSOR_PARALLEL_ARCHITECTURES:

@@ -142,6 +142,8 @@ def split_attention(attn: Any, rank: int, size: int) -> None:
     rows(attn.k_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
     rows(attn.v_proj, rank * hkv * dim, (rank + 1) * hkv * dim)
     columns(attn.o_proj, rank * hq * dim, (rank + 1) * hq * dim, keep_bias=rank == 0)
+    if "sinks" in attn:  # one learned sink logit per query head (gpt-oss)
+        attn["sinks"] = _own(attn["sinks"][rank * hq : (rank + 1) * hq])
     for names, n in ((HEADS, hq), (KV_HEADS, hkv)):  # every name the module may read
         for name in names:
             if isinstance(getattr(attn, name, None), int):
@@ -174,8 +176,8 @@ class GroupSum(nn.Module):
         self.inner = inner
         self._reduce = reduce
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self._reduce(self.inner(x))
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        return self._reduce(self.inner(x, *args, **kwargs))
 
 
 def reduced(fn: Callable[[mx.array], mx.array], reduce: Reduce) -> Callable[[mx.array], mx.array]:

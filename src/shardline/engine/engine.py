@@ -22,6 +22,7 @@ import psutil
 from platformdirs import user_state_dir
 from pydantic import Field
 
+from shardline.cluster.experts import layout_owners
 from shardline.cluster.keys import ClusterKeys
 from shardline.cluster.placement import split_for_stages
 from shardline.compute import tensor_parallel
@@ -49,6 +50,12 @@ class EngineConfig(InstanceSettings):
     stages: int = Field(2, ge=1)
     # Runners per stage: a tensor-parallel group (compute/tensor_parallel.py) of this size, 1: none.
     tp: int = Field(1, ge=1)
+    # What a group of `tp` splits: "tensor", every layer by heads and columns; "expert", a MoE model's routed
+    # experts, whole, by member (compute/expert_parallel.py), with attention whole on every member.
+    group_kind: Literal["tensor", "expert"] = "tensor"
+    # Measured tokens routed to each expert, per model layer ([] for a dense layer): an expert group spreads
+    # hot experts across its members by them (cluster/experts.py); empty: experts in contiguous blocks.
+    expert_load: list[list[float]] = []
     window: int = Field(0, ge=0)
     # KV bytes the leader may reserve for running requests (0: half the memory available at start), as they
     # use it: requests whose prompts do not fit now wait, up to max_queue of them (one more is refused with
@@ -147,13 +154,15 @@ class Engine:
         self.model_config = read_model_config(config.model_dir)
         self.layers = int(self.model_config.get("num_hidden_layers") or 0)
         try:
-            tensor_parallel.check_split(self.model_config, config.tp)
+            if config.group_kind == "tensor":
+                tensor_parallel.check_split(self.model_config, config.tp)
         except tensor_parallel.GroupSumError as exc:
             raise EngineError(f"cannot split {config.model_dir.name} for --tp {config.tp}: {exc}") from exc
         # Before anything is opened: a model whose weight files are unreadable fails here, and leaves nothing.
         self._ranges = (
             _stage_ranges(config.model_dir, config.stages) if 1 <= config.stages <= self.layers else []
         )
+        self._owners = self._expert_owners() if config.tp > 1 and config.group_kind == "expert" else []
         trained = int(self.model_config.get("max_position_embeddings") or 2**31)
         self.context_length = config.context_length or trained
         self.instance = uuid.uuid4().hex[:12]
@@ -204,6 +213,16 @@ class Engine:
             launches.append((agent_key, m.StartRunner(spec=spec, threads=threads)))
         return launches
 
+    def _expert_owners(self) -> list[list[list[int]]]:
+        """Each stage's expert map (cluster/experts.py): by measured load where given, else by bytes."""
+        fp = footprint_from_dir(self.config.model_dir)
+        if fp.expert_split:
+            raise EngineError(f"cannot run {self.config.model_dir.name} in expert groups: {fp.expert_split}")
+        try:
+            return layout_owners(fp, self._ranges, self.config.tp, load=self.config.expert_load or None)
+        except ValueError as exc:
+            raise EngineError(f"cannot place {self.config.model_dir.name}'s experts: {exc}") from exc
+
     def _spec_for(
         self, generation: int, slot: int, start: int, end: int, member: int = 0, position: int | None = None
     ) -> tuple[RunnerSpec, int]:
@@ -223,6 +242,7 @@ class Engine:
             kv_budget_bytes=self.kv_budget_bytes,
             group=cfg.tp,
             member=member,
+            expert_owners=self._owners[position if position is not None else slot] if self._owners else None,
             position=position,
             model_dir=str(cfg.model_dir),
             window=cfg.window,

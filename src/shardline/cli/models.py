@@ -37,20 +37,41 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
+# The synth options that size the model: given ones replace the defaults of --arch (synth_moe.ARCH_DEFAULTS).
+_SHAPE = (
+    "layers",
+    "hidden",
+    "intermediate",
+    "heads",
+    "kv_heads",
+    "experts",
+    "active",
+    "moe_intermediate",
+    "shared_experts",
+    "dense_layers",
+    "expert_groups",
+    "active_groups",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "rope_head_dim",
+    "nope_head_dim",
+    "v_head_dim",
+)
+
+
 def cmd_models_synth(args: argparse.Namespace) -> int:
     from shardline.models.registry import NAME_PATTERN, cache_dir
     from shardline.models.store.manifest import record_import
-    from shardline.models.synth import SynthSpec, weight_sizes, write_synth_model
+    from shardline.models.synth import active_parameter_count, arch_spec, weight_sizes, write_synth_model
+    from shardline.models.synth_moe import describe_arch
 
     if not NAME_PATTERN.fullmatch(args.name):
         raise CliError(f"{args.name!r} is not a model name (letters, digits, . _ + -)")
     dtype = args.dtype or ("float16" if args.bits else "float32")
-    spec = SynthSpec(
-        layers=args.layers,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
+    shape = {k: getattr(args, k) for k in _SHAPE if getattr(args, k) is not None}
+    spec = arch_spec(
+        args.arch,
+        **shape,
         vocab=args.vocab,
         bits=args.bits,
         group_size=args.group_size,
@@ -59,13 +80,17 @@ def cmd_models_synth(args: argparse.Namespace) -> int:
         tied=args.tied,
         seed=args.seed,
     )
+    spec.check()  # a bad combination: one line, before anything is written
     target = (args.models_dir or cache_dir()) / args.name
     path = write_synth_model(target, spec, progress=True, overwrite=args.force)
     record_import(path, args.name, replace=True)  # its digests, as an import records them: nodes can serve it
     sizes = weight_sizes(path)
     quant = f"{spec.bits}-bit, groups of {spec.group_size}, {dtype} scales" if spec.bits else dtype
+    params = f"{sizes['parameters'] / 1e6:.1f}M parameters"
+    if spec.arch != "llama":
+        params += f" ({active_parameter_count(spec) / 1e6:.1f}M active per token)"
     print(
-        f"{path}: synthetic llama ({quant}), {sizes['parameters'] / 1e6:.1f}M parameters, "
+        f"{path}: synthetic {describe_arch(spec)} ({quant}), {params}, "
         f"{_size(sizes['stored_bytes'])} of weights ({_size(sizes['float32_bytes'])} as float32); "
         "random weights: for speed and memory benchmarks only"
     )
@@ -88,14 +113,41 @@ def add_commands(sub: Any) -> None:
     lst = msub.add_parser("list", help="known models, and the other models in the cache")
     lst.set_defaults(func=cmd_models_list)
     syn = msub.add_parser(
-        "synth", help="write a random-weight llama of any size (speed and memory benchmarks only)"
+        "synth",
+        help="write a random-weight llama or mixture of experts of any size (speed and memory benchmarks)",
     )
     syn.add_argument("name", help="the model's name (its directory in the models directory)")
-    syn.add_argument("--layers", type=int, default=28, help="transformer layers")
-    syn.add_argument("--hidden", type=int, default=1536, help="hidden size")
-    syn.add_argument("--intermediate", type=int, default=4096, help="MLP intermediate size")
-    syn.add_argument("--heads", type=int, default=12, help="attention heads")
-    syn.add_argument("--kv-heads", type=int, default=4, help="key/value heads")
+    syn.add_argument(
+        "--arch",
+        choices=["llama", "qwen3_moe", "deepseek_v3"],
+        default="llama",
+        help="llama (dense), qwen3_moe (experts) or deepseek_v3 (latent attention, shared and routed "
+        "experts); each shape option left out takes the architecture's default",
+    )
+    syn.add_argument("--layers", type=int, default=None, help="transformer layers (llama: 28, MoE: 4)")
+    syn.add_argument("--hidden", type=int, default=None, help="hidden size (llama: 1536, MoE: 512)")
+    syn.add_argument(
+        "--intermediate", type=int, default=None, help="dense MLP intermediate size (llama: 4096, MoE: 1536)"
+    )
+    syn.add_argument("--heads", type=int, default=None, help="attention heads (llama: 12, MoE: 8)")
+    syn.add_argument("--kv-heads", type=int, default=None, help="key/value heads (llama and qwen3_moe: 4)")
+    moe = syn.add_argument_group("mixture of experts (--arch qwen3_moe or deepseek_v3)")
+    moe.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (16)")
+    moe.add_argument("--active", type=int, default=None, help="experts each token is routed to (4)")
+    moe.add_argument("--moe-intermediate", type=int, default=None, help="an expert's intermediate size (256)")
+    moe.add_argument(
+        "--dense-layers", type=int, default=None, help="first layers with a dense MLP (qwen3_moe: 0, else 1)"
+    )
+    moe.add_argument("--shared-experts", type=int, default=None, help="deepseek_v3: always-on experts (1)")
+    moe.add_argument("--expert-groups", type=int, default=None, help="deepseek_v3: n_group (4)")
+    moe.add_argument(
+        "--active-groups", type=int, default=None, help="deepseek_v3: groups a token's experts come from (2)"
+    )
+    moe.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v3: query rank (256; 0: full)")
+    moe.add_argument("--kv-lora-rank", type=int, default=None, help="deepseek_v3: latent rank (128)")
+    moe.add_argument("--rope-head-dim", type=int, default=None, help="deepseek_v3: rotary key dims (32)")
+    moe.add_argument("--nope-head-dim", type=int, default=None, help="deepseek_v3: other key dims (64)")
+    moe.add_argument("--v-head-dim", type=int, default=None, help="deepseek_v3: value dims per head (64)")
     syn.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     syn.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
     syn.add_argument("--bits", type=int, default=4, help="MLX affine quantization bits (0: none)")

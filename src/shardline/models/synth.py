@@ -1,13 +1,16 @@
-"""Synthetic models: random weights in a llama shape of any size, in the directory layout mlx-lm loads.
+"""Synthetic models: random weights in a llama shape of any size (or a mixture of experts: qwen3_moe and
+deepseek_v3, models/synth_moe.py), in the directory layout mlx-lm loads.
 
 For speed and memory benchmarks only (placement, loading, peak memory, tokens/s): the weights are random, so
 the text they produce means nothing. Config and provenance say so (`shardline_synthetic`).
 
 Quantized models use MLX's affine layout as mlx-lm writes and loads it: every projection and the embedding
 (and an untied head) as a packed uint32 `weight` with `scales` and `biases` per group, and config.json's
-`quantization: {group_size, bits}`. Tensors are generated, quantized and written one at a time, so peak
-memory stays about one tensor whatever the model's size. The tokenizer is byte-level (every byte a token,
-three ChatML specials, unused filler up to the vocabulary size): any text encodes within any vocabulary.
+`quantization: {group_size, bits}`. Tensors are generated, quantized and written one at a time (a stack of
+experts a few experts at a time), so peak memory stays about one tensor whatever the model's size. Weights
+are uniform with the spread of llama's normal init (4x faster to draw than normals, the same for speed).
+The tokenizer is byte-level (every byte a token, three ChatML specials, unused filler up to the vocabulary
+size): any text encodes within any vocabulary.
 """
 
 from __future__ import annotations
@@ -59,14 +62,33 @@ class SynthSpec:
     tied: bool = False
     seed: int = 0
     rope_theta: float = 10000.0
+    # A mixture of experts (models/synth_moe.py): llama, qwen3_moe or deepseek_v3, whose defaults are
+    # synth_moe.ARCH_DEFAULTS (`arch_spec`). The fields below stay 0 (1 for the groups) in a llama.
+    arch: str = "llama"
+    experts: int = 0  # routed experts per MoE layer
+    active: int = 0  # experts each token is routed to (num_experts_per_tok)
+    moe_intermediate: int = 0  # each expert's intermediate size
+    shared_experts: int = 0  # deepseek_v3: always-on experts (one MLP of shared x moe_intermediate)
+    dense_layers: int = 0  # the first layers keep a dense MLP of `intermediate`
+    expert_groups: int = 1  # deepseek_v3: the experts in groups (n_group) ...
+    active_groups: int = 1  # ... of which a token's experts come from this many (topk_group)
+    q_lora_rank: int = 0  # deepseek_v3's latent attention (0: a full-rank query)
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    nope_head_dim: int = 0
+    v_head_dim: int = 0
+    routed_scaling: float = 2.5  # deepseek_v3's routed_scaling_factor
 
     def check(self) -> None:
+        from shardline.models.synth_moe import check_moe
+
         if min(self.layers, self.hidden, self.intermediate, self.heads, self.kv_heads) < 1:
             raise ValueError("layers, hidden, intermediate, heads and kv-heads must be >= 1")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if self.arch == "llama" and (self.hidden % self.heads or self.heads % self.kv_heads):
             raise ValueError(
                 f"hidden {self.hidden} must split into {self.heads} heads of {self.kv_heads} groups"
             )
+        dims = check_moe(self)
         if self.vocab < len(SPECIALS) + 256:
             raise ValueError(f"vocab must be at least {len(SPECIALS) + 256} (the byte-level tokenizer's)")
         if self.dtype not in DTYPES:
@@ -76,30 +98,44 @@ class SynthSpec:
                 raise ValueError(f"bits must be 0 (no quantization) or 2, 3, 4, 5, 6, 8; got {self.bits}")
             if self.group_size not in (32, 64, 128):
                 raise ValueError(f"group size must be 32, 64 or 128, got {self.group_size}")
-            for dim in (self.hidden, self.intermediate):
+            for what, dim in dims:
                 if dim % self.group_size:
-                    raise ValueError(f"dimension {dim} is not a multiple of the group size {self.group_size}")
+                    raise ValueError(f"{what} {dim} is not a multiple of the group size {self.group_size}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
 
+def arch_spec(arch: str = "llama", **given: Any) -> SynthSpec:
+    """The spec of `arch` with its defaults (synth_moe.ARCH_DEFAULTS), each of `given` replacing one."""
+    from shardline.models.synth_moe import ARCH_DEFAULTS
+
+    return SynthSpec(**{**ARCH_DEFAULTS.get(arch, {}), **given, "arch": arch})
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
-    shape: tuple[int, ...]  # (out, in) for matrices, as mlx-lm stores them
+    shape: tuple[int, ...]  # (out, in) for matrices, as mlx-lm stores them; (experts or heads, out, in)
     std: float  # 0: a norm weight, all ones
     quantized: bool
+    bits: int = 0  # a quantized tensor's own bits and group size, where not the model's (a router's)
+    group_size: int = 0
+    dtype: str = ""  # a float tensor's own dtype, where not the model's (deepseek's score-correction bias)
 
 
 def plan(spec: SynthSpec) -> list[PlannedTensor]:
     """Every tensor of the model, in file order (layer by layer), with its init."""
-    h, i, kv = spec.hidden, spec.intermediate, spec.kv_heads * spec.head_dim
-    q = bool(spec.bits)
+    from shardline.models.synth_moe import plan_moe
+
     # 0.02 as llama's initializer_range; the residual-writing projections shrunk by sqrt(2 * layers) (GPT-2)
     # so the residual stream stays near unit scale through any depth: activations finite even in float16.
     std, out_std = 0.02, 0.02 / math.sqrt(2 * spec.layers)
+    if spec.arch != "llama":
+        return plan_moe(spec, std, out_std)
+    h, i, kv = spec.hidden, spec.intermediate, spec.kv_heads * spec.head_dim
+    q = bool(spec.bits)
     out = [PlannedTensor("model.embed_tokens.weight", (spec.vocab, h), std, q)]
     for n in range(spec.layers):
         p = f"model.layers.{n}."
@@ -122,17 +158,22 @@ def plan(spec: SynthSpec) -> list[PlannedTensor]:
 
 def stored(spec: SynthSpec, t: PlannedTensor) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of what one planned tensor is stored as."""
-    dtype = DTYPES[spec.dtype][1]
+    dtype = DTYPES[t.dtype or spec.dtype][1]
     if not t.quantized:
         return [(t.name, dtype, t.shape)]
-    rows, cols = t.shape
+    *lead, cols = t.shape
+    bits, group_size = _quantization(spec, t)
     base = t.name.removesuffix(".weight")
-    groups = (rows, cols // spec.group_size)
+    groups = (*lead, cols // group_size)
     return [
-        (t.name, "U32", (rows, cols * spec.bits // 32)),
+        (t.name, "U32", (*lead, cols * bits // 32)),
         (base + ".scales", dtype, groups),
         (base + ".biases", dtype, groups),
     ]
+
+
+def _quantization(spec: SynthSpec, t: PlannedTensor) -> tuple[int, int]:
+    return t.bits or spec.bits, t.group_size or spec.group_size
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -141,44 +182,51 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 def footprint(spec: SynthSpec, name: str = "synth") -> Any:
     """The ModelFootprint placement would read from the written model, from the spec alone (placement and
-    its tests reason about models of GBs without writing them)."""
-    from shardline.models.footprint import LAYER_OVERHEAD_BYTES, ModelFootprint
+    its tests reason about models of GBs without writing them): footprint_from_dir of the model's config and
+    safetensors headers, written without their data (it reads nothing else)."""
+    import tempfile
 
-    layers, embed, head = [0] * spec.layers, 0, 0
-    for t in plan(spec):
-        n = sum(_nbytes(dtype, shape) for _, dtype, shape in stored(spec, t))
-        if t.name.startswith("model.layers."):
-            layers[int(t.name.split(".")[2])] += n
-        elif t.name.startswith("model.embed_tokens."):
-            embed += n
-        else:
-            head += n
-    return ModelFootprint(
-        name=name,
-        layers=spec.layers,
-        layer_bytes=layers,
-        embed_bytes=embed,
-        head_bytes=head,
-        tied=spec.tied,
-        # The cache takes the activations' dtype: a quantized model's scales' (float32 scales: 4 bytes).
-        kv_bytes_per_token_per_layer=2 * spec.kv_heads * spec.head_dim * DTYPES[spec.dtype][2],
-        context_length=spec.context,
-        hidden_size=spec.hidden,
-        vocab_size=spec.vocab,
-        weight_format=f"mlx {spec.bits}-bit g{spec.group_size}" if spec.bits else spec.dtype,
-        layer_overhead_bytes=LAYER_OVERHEAD_BYTES,
-        heads=spec.heads,
-        kv_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate,
-        quant_group=spec.group_size if spec.bits else 0,
-        tensor_split="",  # llama layers
-        model_type="llama",
-    )
+    from shardline.models.footprint import footprint_from_dir
+
+    spec.check()
+    tensors = plan(spec)
+    with tempfile.TemporaryDirectory(prefix="synth-footprint-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config(spec)))
+        for j, indices in enumerate(_files(spec, tensors)):
+            with (Path(tmp) / f"model-{j + 1:05d}.safetensors").open("wb") as f:
+                f.write(_header(spec, tensors, indices))
+        return footprint_from_dir(Path(tmp), name)
 
 
 def config(spec: SynthSpec) -> dict:
-    out: dict = {
+    from shardline.models.synth_moe import config_moe
+
+    out: dict = config_moe(spec) if spec.arch != "llama" else _llama_config(spec)
+    out.update(
+        {
+            "torch_dtype": spec.dtype,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "shardline_synthetic": {"purpose": PURPOSE, **asdict(spec)},
+        }
+    )
+    if spec.bits:
+        quant: dict[str, Any] = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
+        # Tensors quantized otherwise than the model (a router), by module path, as mlx_lm.convert records
+        # them and mlx-lm's load_model reads them.
+        for t in plan(spec):
+            if t.quantized and (t.bits or t.group_size):
+                bits, group_size = _quantization(spec, t)
+                path = t.name.removesuffix(".weight")
+                quant[path] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+        # Both keys, as mlx-lm's own convert writes them.
+        out["quantization"] = quant
+        out["quantization_config"] = dict(quant)
+    return out
+
+
+def _llama_config(spec: SynthSpec) -> dict:
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": spec.hidden,
@@ -195,30 +243,38 @@ def config(spec: SynthSpec) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "hidden_act": "silu",
-        "torch_dtype": spec.dtype,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "shardline_synthetic": {"purpose": PURPOSE, **asdict(spec)},
     }
-    if spec.bits:
-        quant = {"group_size": spec.group_size, "bits": spec.bits, "mode": "affine"}
-        # Both keys, as mlx-lm's own convert writes them.
-        out["quantization"] = quant
-        out["quantization_config"] = dict(quant)
-    return out
 
 
-def _generate(spec: SynthSpec, index: int, t: PlannedTensor) -> list[mx.array]:
-    """One tensor's stored arrays, in `stored` order; deterministic in (seed, index)."""
-    dtype = DTYPES[spec.dtype][0]
+CHUNK_ELEMENTS = 1 << 24  # a stack (of experts, of heads) drawn this many float32 values at a time: 64 MB
+
+
+def _generate(spec: SynthSpec, index: int, t: PlannedTensor) -> list[list[mx.array]]:
+    """One tensor's stored arrays, in `stored` order, each in parts along its first axis (a stack's few
+    experts at a time, quantized as drawn: only the packed parts are held); deterministic in (seed, index)."""
+    dtype = DTYPES[t.dtype or spec.dtype][0]
     if t.std == 0.0:
-        return [mx.ones(t.shape, dtype=dtype)]
+        return [[mx.ones(t.shape, dtype=dtype)]]
     key = mx.random.key(spec.seed * 1_000_003 + index)
-    w = mx.random.normal(t.shape, key=key) * t.std
-    if not t.quantized:
-        return [w.astype(dtype)]
-    packed, scales, biases = mx.quantize(w.astype(dtype), group_size=spec.group_size, bits=spec.bits)
-    return [packed, scales, biases]
+    stack = len(t.shape) == 3
+    # A stack's members get keys of their own: the values do not depend on how many are drawn at once.
+    keys = mx.random.split(key, t.shape[0]) if stack else key[None]
+    inner = t.shape[1:] if stack else t.shape
+    step = max(1, CHUNK_ELEMENTS // math.prod(inner)) if stack else 1
+    limit = t.std * math.sqrt(3)  # uniform on [-limit, limit]: standard deviation std
+    parts: list[list[mx.array]] = [[] for _ in stored(spec, t)]
+    for start in range(0, len(keys), step):
+        chunk = [mx.random.uniform(-limit, limit, inner, key=k) for k in keys[start : start + step]]
+        w = (mx.stack(chunk) if stack else chunk[0]).astype(dtype)
+        if t.quantized:
+            bits, group_size = _quantization(spec, t)
+            arrays = list(mx.quantize(w, group_size=group_size, bits=bits))
+        else:
+            arrays = [w]
+        mx.eval(arrays)  # now, so that the float chunk is freed before the next is drawn
+        for held, a in zip(parts, arrays, strict=True):
+            held.append(a)
+    return parts
 
 
 def _raw(a: mx.array) -> memoryview:
@@ -242,9 +298,8 @@ def _files(spec: SynthSpec, tensors: list[PlannedTensor]) -> list[list[int]]:
     return files
 
 
-def _write_file(
-    path: Path, spec: SynthSpec, tensors: list[PlannedTensor], indices: list[int], done: Callable[[int], None]
-) -> None:
+def _header(spec: SynthSpec, tensors: list[PlannedTensor], indices: list[int]) -> bytes:
+    """A safetensors file's length and header for these tensors."""
     header: dict[str, object] = {"__metadata__": {"format": "mlx", "shardline": PURPOSE}}
     offset = 0
     for k in indices:
@@ -254,16 +309,23 @@ def _write_file(
             offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_file(
+    path: Path, spec: SynthSpec, tensors: list[PlannedTensor], indices: list[int], done: Callable[[int], None]
+) -> None:
     with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(_header(spec, tensors, indices))
         for k in indices:
             arrays = _generate(spec, k, tensors[k])
-            for a, (name, dtype, shape) in zip(arrays, stored(spec, tensors[k]), strict=True):
-                if tuple(a.shape) != shape or a.nbytes != _nbytes(dtype, shape):
-                    raise AssertionError(f"{name}: made {a.shape} {a.dtype}, planned {shape} {dtype}")
-                f.write(_raw(a))
-            done(sum(a.nbytes for a in arrays))
+            for parts, (name, dtype, shape) in zip(arrays, stored(spec, tensors[k]), strict=True):
+                made = (sum(a.shape[0] for a in parts), *parts[0].shape[1:])
+                if made != shape or sum(a.nbytes for a in parts) != _nbytes(dtype, shape):
+                    raise AssertionError(f"{name}: made {made} {parts[0].dtype}, planned {shape} {dtype}")
+                for a in parts:
+                    f.write(_raw(a))
+            done(sum(a.nbytes for parts in arrays for a in parts))
             del arrays
 
 
@@ -336,6 +398,7 @@ def write_synth_model(path: Path, spec: SynthSpec, progress: bool = False, overw
             "purpose": PURPOSE,
             "spec": asdict(spec),
             "parameters": parameter_count(spec),
+            "active_parameters": active_parameter_count(spec),
             "stored_bytes": total,
             "float32_bytes": 4 * parameter_count(spec),
             "seconds": round(time.monotonic() - started, 1),
@@ -354,6 +417,13 @@ def parameter_count(spec: SynthSpec) -> int:
     return sum(math.prod(t.shape) for t in plan(spec))
 
 
+def active_parameter_count(spec: SynthSpec) -> int:
+    """The parameters one token computes with: all but the routed experts it is not routed to."""
+    from shardline.models.synth_moe import inactive_parameters
+
+    return parameter_count(spec) - inactive_parameters(spec)
+
+
 def _headers(model_dir: Path) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     from shardline.models.store.files import read_header
 
@@ -368,7 +438,8 @@ def weight_sizes(model_dir: Path) -> dict[str, int]:
     """A model directory's weights: `stored_bytes` (its files' tensors as they are), `parameters` (packed
     quantized weights counted as the values they hold) and `float32_bytes` (the same model in float32)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    bits = int((cfg.get("quantization") or {}).get("bits") or 0)
+    quantization = cfg.get("quantization") or {}
+    bits = int(quantization.get("bits") or 0)
     stored_bytes = params = 0
     entries = list(_headers(model_dir))
     names = {name for name, _, _ in entries}
@@ -378,7 +449,9 @@ def weight_sizes(model_dir: Path) -> dict[str, int]:
         if name.endswith((".scales", ".biases")) and base.rsplit(".", 1)[0] + ".weight" in names:
             continue  # a quantized weight's group parameters: not parameters of the model
         if bits and dtype == "U32" and f"{base}.scales" in names:
-            params += math.prod(shape) * 32 // bits
+            # A module quantized otherwise than the model (a router) has its own entry, by module path.
+            own = quantization.get(base)
+            params += math.prod(shape) * 32 // int(own["bits"] if isinstance(own, dict) else bits)
         else:
             params += math.prod(shape)
     return {"stored_bytes": stored_bytes, "parameters": params, "float32_bytes": 4 * params}

@@ -21,6 +21,9 @@ from fractions import Fraction
 from shardline.models.footprint import ModelFootprint
 
 PIPELINE, TENSOR, EXPERT = "pipeline", "tensor", "expert"
+# A recovery keeps the instance's map unless measured routing makes the busiest member this much less busy:
+# a new map moves experts between machines, which costs their weights' load.
+REMAP_GAIN = 0.1
 
 
 def split_refusal(experts: int, members: int) -> str:
@@ -114,12 +117,26 @@ def layout_owners(
     previous: Sequence[Sequence[int]] = (),
     load: Sequence[Sequence[float]] | None = None,
 ) -> list[list[list[int]]]:
-    """Each stage's map: the previous one (a recovery rebuilds the same map) where it serves this group
-    size, else a new one by load or bytes. Raises ValueError."""
+    """Each stage's map: the previous one over all layers (a recovery rebuilds the same map) where it serves
+    this group size and measured `load` does not make a clearly better one (REMAP_GAIN), else a new one by
+    load or bytes. Raises ValueError."""
     whole = [list(r) for r in previous]
     if not fits(whole, fp, members):
         whole = stage_owners(fp, 0, fp.layers, members, load)
+    elif load is not None and any(load):  # measured routing may announce a new map, if it is clearly better
+        by_load = stage_owners(fp, 0, fp.layers, members, load)
+        if busiest(by_load, load, members) <= busiest(whole, load, members) * (1 - REMAP_GAIN):
+            whole = by_load
     return [whole[s:e] for s, e in ranges]
+
+
+def busiest(owners: Sequence[Sequence[int]], load: Sequence[Sequence[float]], members: int) -> float:
+    """The busiest member's routed tokens, summed over the layers whose load was measured."""
+    total = 0.0
+    for row, freq in zip(owners, load, strict=False):
+        if row and len(freq) == len(row):
+            total += max(member_loads(row, freq, members))
+    return total
 
 
 def model_owners(stages: Sequence[tuple[int, int, list[list[int]]]]) -> list[list[int]]:

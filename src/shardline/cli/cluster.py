@@ -152,13 +152,14 @@ def cmd_place(args: argparse.Namespace) -> int:
     from shardline.cluster.placement import PlacementRequest
     from shardline.instance.generation import generation_label
 
-    for value, flag in ((args.tp, "--tp"), (args.stages, "--stages")):
+    for value, flag in ((args.tp, "--tp"), (args.ep, "--ep"), (args.stages, "--stages")):
         if value is not None:
             positive(value, flag)
     request = PlacementRequest(
         sequences=args.sequences,
         reserve_tokens=args.reserve_tokens,
         tensor_parallel=args.tp,
+        expert_parallel=args.ep,
         max_stages=args.stages,
     )
     with ClusterClient([args.cluster], args.namespace, credentials(args)) as client:
@@ -174,7 +175,10 @@ def cmd_place(args: argparse.Namespace) -> int:
             for r in reply.runners:
                 stage = r.ring if r.ring is not None else reply.runners.index(r)
                 role = "face" if r.member == 0 else f"member {r.member}"
-                print(f"stage {stage} {role}: node {r.node_id} layers [{r.start}, {r.end}), 1/k of each")
+                # An expert group's map is on its face's record (the faces come first, in ring order).
+                row = next((x for x in reply.runners[stage].expert_owners if x), [])
+                held = f"{row.count(r.member)} of {len(row)} experts a MoE layer" if row else "1/k of each"
+                print(f"stage {stage} {role}: node {r.node_id} layers [{r.start}, {r.end}), {held}")
         if reply.layout:
             print(f"layout: {reply.layout}")
         if not args.dry_run and reply.instance is not None:
@@ -395,7 +399,16 @@ def add_place(sub: Any) -> None:
         help="runners per stage: 1 for pipeline stages only, k for tensor-parallel groups of k (default: "
         "placement chooses from read bandwidth, links and memory)",
     )
-    place.add_argument("--stages", type=int, default=None, help="at most this many stages (with --tp: these)")
+    place.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel groups of k for a mixture-of-experts model: each member holds 1/k of every "
+        "MoE layer's experts, whole (default: placement chooses)",
+    )
+    place.add_argument(
+        "--stages", type=int, default=None, help="at most this many stages (with --tp or --ep: these)"
+    )
     place.add_argument(
         "--reserve-tokens", type=int, default=None, help="KV cache tokens per sequence (default: the model's)"
     )

@@ -2,18 +2,21 @@
 
 The shell (cluster/master.py) calls `layout` from an instance controller's thread with the newest master
 state, which is immutable: it reads it without a lock. `keep_layers` and `unreachable` say what the last
-failure leaves of the previous generation; `arranged` (pipeline or tensor-parallel groups over the placed
-machines) is shared with the master's dry-run and placement answers (cluster/master_state.py).
+failure leaves of the previous generation; `arranged` (pipeline, tensor- or expert-parallel groups over the
+placed machines) is shared with the master's dry-run and placement answers (cluster/master_state.py). An
+expert group's map lives in its face's StageRecord: a recovery rebuilds the same map (`expert_map`) unless
+measured routing makes a clearly better one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardline.cluster import facts
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
+from shardline.cluster.experts import model_owners
 from shardline.cluster.keys import ClusterKeys
 from shardline.cluster.parallelism import arrange
 from shardline.cluster.placement import Placement, PlacementError, place
@@ -57,7 +60,8 @@ def layout(
                 raise
             usable = nodes
             placement = place(fp, nodes, rec.request, keep=keep)
-        why, runners = arranged(snap, fp, usable, placement, rec.request)
+        previous = expert_map(rec)
+        why, runners = arranged(snap, fp, usable, placement, rec.request, previous, rec.expert_load)
     except (PlacementError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
     groups = any(r.member for r in runners)
@@ -67,7 +71,10 @@ def layout(
     ring_stages = sum(1 for r in runners if not r.member)
     for k, a in enumerate(runners):
         group = len(runners) // ring_stages
-        start = _start_runner(state, rec, fp, generation, k, a, ring_stages, endpoints, sources, group)
+        face = runners[a.ring if a.member and a.ring is not None else k]
+        start = _start_runner(
+            state, rec, fp, generation, k, a, ring_stages, endpoints, sources, group, face.expert_owners
+        )
         start = start.model_copy(update={"digest": digest})
         # A survivor keeps its process where its layers stay (keep is empty unless reuse is on); a group's
         # members are always new (they meet their face at bring-up).
@@ -87,8 +94,10 @@ def _start_runner(
     endpoints: dict[str, str],
     sources: list[str],
     group: int = 1,
+    expert_owners: list[list[int]] | None = None,
 ) -> m.StartRunner:
-    """The command that starts runner `slot` of a generation on node `a.node_id`."""
+    """The command that starts runner `slot` of a generation on node `a.node_id`; `expert_owners`: its
+    expert group's map (its face's record's)."""
     spec = runner_spec(
         state.config.spec_fields,
         instance=rec.instance,
@@ -100,6 +109,7 @@ def _start_runner(
         kv_budget_bytes=rec.kv_budget_bytes,
         group=group,
         member=a.member,
+        expert_owners=expert_owners,
         position=a.ring,
         model=rec.model,
         namespace=state.config.namespace,
@@ -133,15 +143,31 @@ def arranged(
     nodes: list[Any],
     placement: Placement,
     request: Any,
+    owners: Sequence[Sequence[int]] = (),
+    load: Sequence[Sequence[float]] | None = None,
 ) -> tuple[str, list[cm.StageRecord]]:
-    """Pipeline or tensor-parallel groups over the placed machines (cluster/parallelism.py), and why."""
+    """Pipeline, tensor-parallel or expert-parallel groups over the placed machines (cluster/parallelism.py),
+    and why. owners: the instance's expert map over all layers (kept where it still serves), load: its
+    measured routing (cluster/experts.py: layout_owners)."""
     link, source = facts.link_between(snap, [n.node_id for n in nodes])
-    choice, runners = arrange(fp, nodes, placement, link, request)
+    choice, runners = arrange(fp, nodes, placement, link, request, owners, load)
     records = [
-        cm.StageRecord(node_id=node, start=s, end=e, ring=stage if member else None, member=member)
+        cm.StageRecord(
+            node_id=node,
+            start=s,
+            end=e,
+            ring=stage if member else None,
+            member=member,
+            expert_owners=choice.owners[stage] if choice.experts and not member else [],
+        )
         for node, stage, member, s, e in runners
     ]
     return f"{choice.explanation} [link {source}]", records
+
+
+def expert_map(rec: cm.InstanceRecord) -> list[list[int]]:
+    """The instance's expert map over all layers, from its faces' records ([] where it has none)."""
+    return model_owners([(s.start, s.end, s.expert_owners) for s in rec.stages if not s.member])
 
 
 def holds_stages(snap: cs.ClusterState, node_id: str) -> bool:

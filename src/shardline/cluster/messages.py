@@ -99,6 +99,9 @@ class StageRecord(Wire):
     # How it computes its layers: "fast" (llama-shaped blocks in native ops), or "generic: " and why not
     # (compute/shard.py); "" until it is ready.
     path: str = ""
+    # An expert-parallel group's face: per layer of its stage, the member holding each routed expert ([] for
+    # a dense layer; cluster/experts.py). Its members run by their face's; [] for any other runner.
+    expert_owners: list[list[int]] = []
 
 
 class InstanceRecord(Wire):
@@ -118,6 +121,9 @@ class InstanceRecord(Wire):
     digest: str = ""  # the model digest every copy of its stages must have (state.py: expected_digest)
     weight_format: str = ""  # how its weights are stored (ModelFootprint.weight_format), for people
     layout: str = ""  # pipeline or tensor-parallel groups, and why (cluster/parallelism.py), for people
+    # Measured routing: per model layer, tokens routed to each of its experts ([] where unmeasured). Where
+    # it is, a new expert map spreads the hot experts (cluster/experts.py: owners_by_load).
+    expert_load: list[list[float]] = []
 
 
 class NodeSummary(Wire):

@@ -67,7 +67,8 @@ def owners_by_load(freq: Sequence[float], members: int) -> list[int]:
         owners[expert] = member
         loads[member] += freq[expert]
         counts[member] += 1
-    if max(loads) <= max(member_loads(blocks, freq, members)):
+    # Summed in one order for both, so that equal loads compare equal.
+    if max(member_loads(owners, freq, members)) <= max(member_loads(blocks, freq, members)):
         return owners
     return blocks
 

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any, Literal
 
 import mlx.core as mx
 import psutil
@@ -57,21 +58,22 @@ def bench_dir() -> Path:
     return cache_dir().parent / "bench"
 
 
-def synth_model(spec: SynthSpec) -> Path:
+def synth_model(spec: SynthSpec, bench: str = "tp") -> Path:
+    """The bench's synthetic model, written once into bench_dir() and again only when its spec changes."""
     quant = f"q{spec.bits}-{spec.dtype}" if spec.bits else spec.dtype
-    path = bench_dir() / f"synth-tp-{spec.layers}l-{spec.hidden}h-{quant}"
+    path = bench_dir() / f"synth-{bench}-{spec.layers}l-{spec.hidden}h-{quant}"
     info = path / SYNTH_INFO_FILE
     if not (info.is_file() and json.loads(info.read_text()).get("spec") == asdict(spec)):
-        print(f"bench tp: writing the synthetic model {path.name}", file=sys.stderr)
+        print(f"bench {bench}: writing the synthetic model {path.name}", file=sys.stderr)
         write_synth_model(path, spec, progress=True, overwrite=True)
     return path
 
 
-def _prompt(n: int, vocab: int, offset: int) -> list[int]:
+def prompt_ids(n: int, vocab: int, offset: int) -> list[int]:
     return [(offset + 7919 * i) % (vocab - 1000) + 500 for i in range(n)]
 
 
-def _run(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
+def timed(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
     start = time.perf_counter()
     stamps, tokens = [], []
     for t in engine.submit(prompt, max_tokens=max_tokens):
@@ -80,14 +82,14 @@ def _run(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[list[float
     return stamps, tokens
 
 
-def _figures(engine: Engine, vocab: int) -> dict[str, float]:
-    stamps, _ = _run(engine, _prompt(DECODE_PROMPT, vocab, 1), DECODE_TOKENS)
+def speeds(engine: Engine, vocab: int) -> dict[str, float]:
+    stamps, _ = timed(engine, prompt_ids(DECODE_PROMPT, vocab, 1), DECODE_TOKENS)
     decode = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    first, _ = _run(engine, _prompt(PROMPT, vocab, 2), 1)
+    first, _ = timed(engine, prompt_ids(PROMPT, vocab, 2), 1)
     return {"decode_tps": decode, "prefill_tps": PROMPT / first[0]}
 
 
-def _greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
+def greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[mx.array]]:
     got = list(engine.submit(prompt, max_tokens=CHECK_TOKENS, want_logits=True))
     return [t.token for t in got], [t.logits for t in got]
 
@@ -95,14 +97,14 @@ def _greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[mx.array
 Greedy = tuple[list[int], list[int], list[mx.array]]  # prompt, tokens, each token's logits
 
 
-def _comparable(engine: Engine, vocab: int) -> list[Greedy]:
+def comparable(engine: Engine, vocab: int) -> list[Greedy]:
     """CHECK_PROMPTS prompts whose greedy text one runner decides by more than NEAR_TIE at every token
     (prompt, tokens, logits): a random-weight model has near ties, where any other order of the same sums
     may pick the other token ("where rounding allows"; the correctness tests ask the same of theirs)."""
     out = []
     for k in range(CHECK_CANDIDATES):
-        prompt = _prompt(40 + 9 * k, vocab, 100 + k)
-        tokens, logits = _greedy(engine, prompt)
+        prompt = prompt_ids(40 + 9 * k, vocab, 100 + k)
+        tokens, logits = greedy(engine, prompt)
         margins = [float(mx.subtract(*mx.sort(lg)[-1:-3:-1])) for lg in logits]
         if min(margins) > NEAR_TIE:
             out.append((prompt, tokens, logits))
@@ -111,12 +113,12 @@ def _comparable(engine: Engine, vocab: int) -> list[Greedy]:
     return out
 
 
-def _compare(engine: Engine, reference: list[Greedy]) -> tuple[int, float]:
+def compare(engine: Engine, reference: list[Greedy]) -> tuple[int, float]:
     """Prompts whose greedy text differs from one runner's, and the largest logit difference at any
     position before a difference, relative to the largest logit."""
     mismatched, worst = 0, 0.0
     for prompt, tokens, logits in reference:
-        got, got_logits = _greedy(engine, prompt)
+        got, got_logits = greedy(engine, prompt)
         mismatched += got != tokens
         for a, b, x, y in zip(got, tokens, got_logits, logits, strict=True):
             worst = max(worst, float(mx.abs(x - y).max() / mx.abs(y).max()))
@@ -125,21 +127,30 @@ def _compare(engine: Engine, reference: list[Greedy]) -> tuple[int, float]:
     return mismatched, worst
 
 
-def _engine_with(model_dir: Path, stages: int, tp: int, faults: dict[int, Fault] | None = None) -> Engine:
+def engine_with(
+    model_dir: Path,
+    stages: int,
+    tp: int,
+    faults: dict[int, Fault] | None = None,
+    group_kind: Literal["tensor", "expert"] = "tensor",
+    **settings: Any,
+) -> Engine:
     config = EngineConfig(
         model_dir=model_dir,
         stages=stages,
         tp=tp,
+        group_kind=group_kind,
         prefill_step=PREFILL_STEP,
         pin_cpus=True,
         load_timeout=600.0,
         prefix_cache=False,  # every run computes its whole prompt
         faults=faults or {},
+        **settings,
     )
     return Engine(config).start()
 
 
-def _stopped_or_gone(pid: int, timeout: float) -> float:
+def stopped_or_gone(pid: int, timeout: float) -> float:
     """When the process stopped or ended (monotonic), polled every few ms: a fault's own moment."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -152,18 +163,25 @@ def _stopped_or_gone(pid: int, timeout: float) -> float:
     raise RuntimeError(f"process {pid} never stopped within {timeout:.0f}s")
 
 
-def _detection(model_dir: Path, vocab: int, action: str, phase: str, expected: list[int]) -> dict:
+def detection(
+    model_dir: Path,
+    vocab: int,
+    action: str,
+    phase: str,
+    expected: list[int],
+    group_kind: Literal["tensor", "expert"] = "tensor",
+) -> dict:
     """The group's member stops (SIGSTOP) or dies (SIGKILL) inside a step of the prompt's second chunk or
     of its third decode step: seconds until the instance named the failure and until it served again, and
     whether the request's text is the undisturbed one."""
     # Steps the member counted before: the ring's warm-up (2), the prompt's chunks (2), decode steps.
     fault = Fault(phase=phase, action=action, after_steps=3 if phase == "prefill" else 6)
-    with _engine_with(model_dir, 1, 2, {1: fault}) as engine:
+    with engine_with(model_dir, 1, 2, {1: fault}, group_kind) as engine:
         member = engine.runner_pids()[1]
         watch: dict[str, float] = {}
-        watcher = threading.Thread(target=lambda: watch.update(t0=_stopped_or_gone(member, 600)))
+        watcher = threading.Thread(target=lambda: watch.update(t0=stopped_or_gone(member, 600)))
         watcher.start()
-        tokens = engine.submit(_prompt(PROMPT, vocab, 7), max_tokens=len(expected)).tokens(timeout=900)
+        tokens = engine.submit(prompt_ids(PROMPT, vocab, 7), max_tokens=len(expected)).tokens(timeout=900)
         watcher.join(timeout=600)
         if not engine.wait_recovered(1, 300) or "t0" not in watch:
             raise RuntimeError(f"no recovery after {action} of the member in {phase}")
@@ -192,21 +210,21 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
     sums: dict[str, tuple[float, float]] = {}
     for r in range(rounds):
         print(f"bench tp: round {r + 1} of {rounds}", file=sys.stderr)
-        with _engine_with(model_dir, 1, 1) as engine:
-            single = [_figures(engine, vocab)]
+        with engine_with(model_dir, 1, 1) as engine:
+            single = [speeds(engine, vocab)]
             if r == 0:
-                reference = _comparable(engine, vocab)
-                fault_text = _run(engine, _prompt(PROMPT, vocab, 7), FAULT_TOKENS)[1]
-        with _engine_with(model_dir, 1, 2) as engine:
-            tp2 = _figures(engine, vocab)
+                reference = comparable(engine, vocab)
+                fault_text = timed(engine, prompt_ids(PROMPT, vocab, 7), FAULT_TOKENS)[1]
+        with engine_with(model_dir, 1, 2) as engine:
+            tp2 = speeds(engine, vocab)
             if r == 0:
-                mismatched, logits_rel = _compare(engine, reference)
+                mismatched, logits_rel = compare(engine, reference)
             face = engine.fresh_heartbeats(30)[0]
             sums = {"decode": face.sum_us_decode, "chunk": face.sum_us_chunk}
-        with _engine_with(model_dir, 2, 1) as engine:
-            pp2 = _figures(engine, vocab)
-        with _engine_with(model_dir, 1, 1) as engine:
-            single.append(_figures(engine, vocab))
+        with engine_with(model_dir, 2, 1) as engine:
+            pp2 = speeds(engine, vocab)
+        with engine_with(model_dir, 1, 1) as engine:
+            single.append(speeds(engine, vocab))
         base = {k: statistics.mean(s[k] for s in single) for k in single[0]}
         for name, figures in (("single", base), ("tp2", tp2), ("pp2", pp2)):
             for k, v in figures.items():
@@ -247,7 +265,7 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
     )
     result["raw"] = {k: round(statistics.median(v), 3) for k, v in raws.items()}
     result["member_faults"] = [
-        _detection(model_dir, vocab, action, phase, fault_text)
+        detection(model_dir, vocab, action, phase, fault_text)
         for phase in ("decode", "prefill")
         for action in ("sigstop", "sigkill")
     ]

@@ -33,6 +33,13 @@ def cmd_bench_tp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_moe(args: argparse.Namespace) -> int:
+    from shardline.bench.moe import run
+
+    run(json_path=args.json, rounds=positive(args.rounds, "--rounds"), quick=args.quick)
+    return 0
+
+
 def cmd_bench_attention(args: argparse.Namespace) -> int:
     from shardline.bench.attention import run
 
@@ -188,6 +195,13 @@ def add_commands(sub: Any) -> None:
     btp.add_argument("--rounds", type=int, default=2, help="rounds of single, tp2, pp2, single")
     btp.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
     btp.set_defaults(func=cmd_bench_tp)
+    bmoe = bsub.add_parser(
+        "moe", help="a MoE model in an expert group of 2 against one runner and a tensor group of 2"
+    )
+    bmoe.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bmoe.add_argument("--rounds", type=int, default=2, help="rounds of single, ep2, ep2_routed, tp2, single")
+    bmoe.add_argument("--quick", action="store_true", help="a tiny model, one round: a smoke run")
+    bmoe.set_defaults(func=cmd_bench_moe)
     ba = bsub.add_parser("attention", help="a prefill chunk's attention: the runner's kernel against MLX's")
     ba.add_argument("--model", default=None, help=MODEL_HELP)
     ba.add_argument("--json", type=Path, default=None, help=JSON_HELP)

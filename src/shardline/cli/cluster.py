@@ -155,6 +155,8 @@ def cmd_place(args: argparse.Namespace) -> int:
     for value, flag in ((args.tp, "--tp"), (args.ep, "--ep"), (args.stages, "--stages")):
         if value is not None:
             positive(value, flag)
+    if args.tp is not None and args.ep is not None:
+        raise CliError("--tp and --ep ask for different groups: give one")
     request = PlacementRequest(
         sequences=args.sequences,
         reserve_tokens=args.reserve_tokens,

@@ -261,10 +261,12 @@ def choose(
 
 
 def _forced(request: PlacementRequest) -> tuple[int | None, bool]:
-    """(group size asked for, whether expert groups): None lets `choose` decide; 1 keeps the pipeline."""
-    if request.expert_parallel is not None and request.expert_parallel > 1:
-        return request.expert_parallel, True
-    return request.tensor_parallel or request.expert_parallel, False
+    """(group size asked for, whether expert groups): None lets `choose` decide; 1 keeps the pipeline.
+    Tensor groups where both kinds are asked for (the older field), else the groups asked for."""
+    tp, ep = request.tensor_parallel, request.expert_parallel
+    if ep is not None and ep > 1 and not (tp is not None and tp > 1):
+        return ep, True
+    return tp or ep, False
 
 
 def arrange(

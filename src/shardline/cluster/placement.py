@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardline.compute.kv import round_up
 from shardline.compute.pipeline_limits import pipeline_refusal
@@ -59,14 +59,8 @@ class PlacementRequest(BaseModel):
     # tensor-parallel groups of k, on max_stages (default 1) stages.
     tensor_parallel: int | None = Field(None, ge=1, le=64)
     # Expert-parallel groups of k (cluster/experts.py) as tensor_parallel asks for tensor groups; 1: pipeline.
+    # Where both ask for groups, tensor_parallel's are made (cluster/parallelism.py: arrange).
     expert_parallel: int | None = Field(None, ge=1, le=64)
-
-    @model_validator(mode="after")
-    def _one_kind_of_group(self) -> PlacementRequest:
-        tp, ep = self.tensor_parallel, self.expert_parallel
-        if tp is not None and ep is not None and (tp, ep) != (1, 1):
-            raise ValueError(f"tensor_parallel {tp} and expert_parallel {ep}: ask for one kind of group")
-        return self
 
 
 class StageAssignment(BaseModel):

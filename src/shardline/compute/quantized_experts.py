@@ -5,8 +5,11 @@ mlx-lm's expert layers (SwitchGLU, SwitchMLP) project through `QuantizedSwitchLi
 op (csrc/qmm/gather.cpp) runs the same product with the dense kernel's row kernels on each selected expert's
 slice of the weights, in place: the pairs (row of x, expert) that share an expert run as one product of all
 their rows, so a prefill reads each expert once, and a decode step (one row, k experts) is k small
-products at the dense kernel's speed. Its numbers are the dense kernel's for the same rows: integer dot
-products on x rounded to int16 below `gemm_rows` rows per expert, BLAS on dequantized tiles from there.
+products at the dense kernel's speed (8 of 64 experts of 1024 x 768, 4 bits: 3.6 GB/s as the dense
+kernel's 3.5 on the same bytes, MLX's op 0.23; a prefill of 256 tokens x 8 experts with OpenBLAS 0.22 s
+where MLX's op took 4.2 s, on a 2-core AVX-512 machine). Its numbers are the dense kernel's for the same
+rows: integer dot products on x rounded to int16 below `gemm_rows` rows per expert, BLAS on dequantized
+tiles from there.
 
 `quantized.cpu_quantized` swaps a supported `QuantizedSwitchLinear` for `CpuQuantizedSwitchLinear` on the
 CPU, with the dense layer's fallback rules; `measure` times a decode step against MLX's op and the dense
@@ -69,7 +72,8 @@ def gather_qmm_mlx(
 class CpuQuantizedSwitchLinear(nn.Module):
     """mlx-lm's `QuantizedSwitchLinear` (affine mode) on the native kernel; same parameters under the same
     names, the same call. Shapes are read from the arrays, so a layer holding a subset of the experts, or a
-    slice of their rows or columns, works as given."""
+    slice of their rows or columns, works as given; a view (not row-contiguous) is copied at every call, so
+    hand it contiguous arrays."""
 
     def __init__(
         self,

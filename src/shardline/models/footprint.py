@@ -73,10 +73,9 @@ _SPLIT_NEEDS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
 # the expert first; a checkpoint before mlx-lm's sanitize numbers them (`mlp.experts.N.`).
 _SWITCH = re.compile(r"(?:^|\.)(\w*switch\w*|experts)$")
 _NUMBERED_EXPERT = re.compile(r"^(?P<switch>(?:.*\.)?experts)\.(?P<expert>\d+)\.")
-# What the MoE module may hold besides its routed experts: the router's parts (replicated on every member)
-# and shared experts under the names compute/expert_parallel.py splits by columns (its SHARED_NAMES).
-_SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp")
-_ROUTER_PARTS = frozenset({"gate", "router", "e_score_correction_bias", "expert_bias", "shared_expert_gate"})
+# Shared experts, under the names compute/expert_parallel.py splits by columns (its SHARED_NAMES); the MoE
+# module's other parts (router, gates, coefficients) run whole on every member, before the group's sum.
+_SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp", "share_expert")
 _EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _ACTIVE_KEYS = (
     "num_experts_per_tok",
@@ -335,15 +334,12 @@ def _layer_experts(tensors: Mapping[str, _HeaderEntry]) -> tuple[int, int, int, 
         if not moe:  # the experts sit in the layer itself: nothing to tell a router from the rest
             continue
         parts = {n[len(moe) + 1 :].split(".")[0] for n in tensors if n.startswith(f"{moe}.")}
-        for part in sorted(parts - {own}):
+        for part in sorted(parts & set(_SHARED_EXPERTS) - {own}):
             where = f"{moe}.{part}"
-            if part in _SHARED_EXPERTS:
-                held = [n for n in tensors if n.startswith(f"{where}.")]
-                shared += sum(tensors[n].nbytes for n in held)
-                if not all(any(f".{p}_proj." in n for n in held) for p in ("gate", "up", "down")):
-                    why = why or f"its shared experts ({where}) are not gate/up/down projections"
-            elif part not in _ROUTER_PARTS:
-                why = why or f"its mixture of experts holds {where}, which an expert group does not split"
+            held = [n for n in tensors if n.startswith(f"{where}.")]
+            shared += sum(tensors[n].nbytes for n in held)
+            if not all(any(f".{p}_proj." in n for n in held) for p in ("up", "down")):  # a gate is optional
+                why = why or f"its shared experts ({where}) are not up/down projections"
     return max(counts), routed, shared, why
 
 

@@ -38,7 +38,7 @@ NO_EXPERT_GROUPS = {
     "longcat_flash_ngram": "its zero experts add the layer's input itself, outside its switch of experts",
 }
 # What MoE modules call their shared experts: MLPs with gate/up/down projections, split by columns.
-SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
+SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp", "share_expert")
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,10 @@ def _keep_experts(switch: Any, held: list[int]) -> None:
 
 
 def shared_split_reason(site: MoeSite) -> str:
-    return next((w for n in site.shared if (w := tp.mlp_split_reason(site.moe[n], f"shared expert {n}"))), "")
+    for name in site.shared:
+        if why := tp.mlp_split_reason(site.moe[name], f"shared expert {name}", gated=False):
+            return why
+    return ""
 
 
 def _split_shared(site: MoeSite, rank: int, size: int) -> None:

@@ -114,9 +114,11 @@ def attention_split_reason(block: Any) -> str:
     return ""
 
 
-def mlp_split_reason(mlp: Any, what: str = "MLP") -> str:
-    if mlp is None or not all(isinstance(getattr(mlp, n, None), nn.Module) for n in MLP_PROJECTIONS):
-        return f"its {what} is not gate/up/down projections"
+def mlp_split_reason(mlp: Any, what: str = "MLP", gated: bool = True) -> str:
+    """Why `split_mlp` cannot split this MLP ("" when it can); `gated`: it must have a gate projection."""
+    needs = MLP_PROJECTIONS if gated else MLP_PROJECTIONS[1:]
+    if mlp is None or not all(isinstance(getattr(mlp, n, None), nn.Module) for n in needs):
+        return f"its {what} is not {'gate/' if gated else ''}up/down projections"
     return ""
 
 
@@ -152,11 +154,12 @@ def split_attention(attn: Any, rank: int, size: int) -> None:
 
 def split_mlp(mlp: Any, rank: int, size: int) -> None:
     """Keep member `rank`'s columns of a gate/up/down MLP."""
-    inter = int(mlp.gate_proj["weight"].shape[0])
+    inter = int(mlp.up_proj["weight"].shape[0])
     if inter % size:
         raise GroupSumError(f"{inter} MLP columns do not split into {size}")
     part = inter // size
-    rows(mlp.gate_proj, rank * part, (rank + 1) * part)
+    if isinstance(getattr(mlp, "gate_proj", None), nn.Module):  # an ungated MLP (relu2) has none
+        rows(mlp.gate_proj, rank * part, (rank + 1) * part)
     rows(mlp.up_proj, rank * part, (rank + 1) * part)
     columns(mlp.down_proj, rank * part, (rank + 1) * part, keep_bias=rank == 0)
 

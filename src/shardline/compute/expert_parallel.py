@@ -31,12 +31,6 @@ from shardline.compute import tensor_parallel as tp
 from shardline.compute.tensor_parallel import GroupSum, GroupSumError, Reduce, columns, rows
 
 SWITCHES = (SwitchGLU, SwitchMLP)
-# MoE modules that add more than their switch's and shared experts' outputs, so that a member's output is not
-# a partial sum: why, per architecture (found by tests/test_expert_groups_every_architecture.py).
-NO_EXPERT_GROUPS = {
-    "longcat_flash": "its zero experts add the layer's input itself, outside its switch of experts",
-    "longcat_flash_ngram": "its zero experts add the layer's input itself, outside its switch of experts",
-}
 # What MoE modules call their shared experts: MLPs with gate/up/down projections, split by columns.
 SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp", "share_expert")
 

@@ -27,7 +27,7 @@ from shardline.compute.paged_kv import PagedKV
 from shardline.compute.path_check import bounded_attention, fast_check, fast_structure
 from shardline.compute.quantized import cpu_quantized, make_cpu_quantized
 from shardline.models.errors import CorruptModelError
-from shardline.models.footprint import TENSOR_PARALLEL_ARCHITECTURES
+from shardline.models.footprint import NO_EXPERT_GROUPS, TENSOR_PARALLEL_ARCHITECTURES
 from shardline.models.store.files import SHARD_MANIFEST
 from shardline.models.store.verify import missing_tensors
 from shardline.models.validate import mlx_lm_architecture
@@ -290,7 +290,7 @@ def load_shard(
         raise ValueError(f"an expert map for {len(owners)} layers, the stage holds {len(blocks)}")
     if group > 1:
         arch = mlx_lm_architecture(str(config.get("model_type")))
-        reason = expert_parallel.NO_EXPERT_GROUPS.get(arch, "") if experts else ""
+        reason = NO_EXPERT_GROUPS.get(arch, "") if experts else ""
         if reason := reason or expert_parallel.group_split_reason(blocks, experts):
             kind = "expert" if experts else "tensor"
             raise UnsupportedArchitectureError(f"{kind}-parallel groups cannot split its blocks: {reason}")

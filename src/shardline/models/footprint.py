@@ -10,7 +10,9 @@ rest (final norm, lm_head, anything unexpected) is the head, held by the last st
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
 import struct
 from collections.abc import Mapping
@@ -76,6 +78,7 @@ _NUMBERED_EXPERT = re.compile(r"^(?P<switch>(?:.*\.)?experts)\.(?P<expert>\d+)\.
 # Shared experts, under the names compute/expert_parallel.py splits by columns (its SHARED_NAMES); the MoE
 # module's other parts (router, gates, coefficients) run whole on every member, before the group's sum.
 _SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp", "share_expert")
+_FIRST_PRODUCT = re.compile(r"\.(gate_proj|up_proj|fc1|w1|w3)\.weight$")
 _EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _ACTIVE_KEYS = (
     "num_experts_per_tok",
@@ -85,8 +88,10 @@ _ACTIVE_KEYS = (
     "moe_k",
     "num_selected_experts",
 )
-# MoE layers an expert group cannot run although their parts are known: why, in one line.
-_NO_EXPERT_GROUPS = {
+# MoE layers an expert group cannot run although their parts are known: why, in one line (the runner refuses
+# them too: compute/expert_parallel.py; tests/test_expert_groups_every_architecture.py finds them).
+NO_EXPERT_GROUPS = {
+    "dbrx": "its experts are modules of its own, not mlx-lm's switch layers that a member slices",
     "longcat_flash": "its zero experts add the input itself, which every member would add again",
     "longcat_flash_ngram": "its zero experts add the input itself, which every member would add again",
 }
@@ -127,6 +132,8 @@ class ModelFootprint(BaseModel):
     shared_expert_bytes: list[int] = []  # per layer: its shared experts' bytes (an expert group splits them)
     # "" where an expert-parallel group can hold whole experts of every MoE layer, else why not.
     expert_split: str = NO_EXPERTS
+    # The gcd of the experts' column counts, which a tensor-parallel group splits (0: no experts).
+    expert_columns: int = Field(0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -280,13 +287,19 @@ def _split_refusal(
     if arch in _NO_GROUPS:
         return _NO_GROUPS[arch]
     for tensors in per_layer:
+        # A MoE module splits every routed and shared expert by columns and runs its router whole
+        # (compute/expert_parallel.py: split_experts_by_columns); its columns are `expert_columns`.
+        moes = {m for s in _switches(tensors) if (m := s.rpartition(".")[0])}
         for name, t in sorted(tensors.items()):
+            if any(name.startswith(f"{m}.") for m in moes):
+                continue
             if not _SPLIT_TENSOR.fullmatch(name):
                 module = name.rsplit(".", 1)[0]
                 return f"layers hold tensors a tensor-parallel group does not split ({module})"
             if "_norm." in name and t.shape != (head_dim,):  # a norm over all heads cannot be split by head
                 return f"{name} normalises {t.shape}, not each head's {head_dim}"
-        if missing := [n for n in _SPLIT_NEEDS if n not in tensors]:
+        needs = _SPLIT_NEEDS[:4] if moes else _SPLIT_NEEDS  # attention's; a dense layer's MLP's too
+        if missing := [n for n in needs if n not in tensors]:
             return f"layers lack {missing[0].rsplit('.', 1)[0]}, which a tensor-parallel group splits"
     return ""
 
@@ -299,6 +312,7 @@ class _Experts:
     expert_bytes: list[int] | None = None
     shared_bytes: list[int] | None = None
     why: str = NO_EXPERTS
+    columns: int = 0  # the gcd of the routed and shared experts' column counts
 
 
 def _switches(tensors: Mapping[str, _HeaderEntry]) -> dict[str, int]:
@@ -317,6 +331,23 @@ def _switches(tensors: Mapping[str, _HeaderEntry]) -> dict[str, int]:
                 break
     # A stacked switch's tensors all have the experts first (a bias too: (experts, out)).
     return {**{s: max(n) + 1 for s, n in numbered.items()}, **{s: max(c) for s, c in stacked.items()}}
+
+
+def _expert_columns(tensors: Mapping[str, _HeaderEntry]) -> int:
+    """The gcd of one layer's routed and shared experts' column counts (0: none), from their first
+    products' output rows: what a tensor-parallel group splits."""
+    found = 0
+    for switch in _switches(tensors):
+        moe = switch.rpartition(".")[0]
+        for name, t in tensors.items():
+            first = _FIRST_PRODUCT.search(name)
+            if first is None or not t.shape:
+                continue
+            if name.startswith(f"{switch}.") and len(t.shape) == 3:
+                found = math.gcd(found, t.shape[1])  # (experts, columns, inputs)
+            elif moe and any(name.startswith(f"{moe}.{p}.") for p in _SHARED_EXPERTS):
+                found = math.gcd(found, t.shape[0])
+    return found
 
 
 def _layer_experts(tensors: Mapping[str, _HeaderEntry]) -> tuple[int, int, int, str]:
@@ -354,8 +385,9 @@ def _experts(arch: str, config: Mapping[str, Any], per_layer: list[dict[str, _He
         why = f"its MoE layers differ in expert count ({sorted(counts)})"
     elif stated and stated not in counts:  # tensors are what the runner holds: they decide
         why = why or f"config.json says {stated} experts, its tensors hold {min(counts)}"
-    why = _NO_EXPERT_GROUPS.get(arch, why)
-    return _Experts(max(counts), [b for _, b, _, _ in found], [s for _, _, s, _ in found], why)
+    why = NO_EXPERT_GROUPS.get(arch, why)
+    columns = functools.reduce(math.gcd, (_expert_columns(t) for t in per_layer), 0)
+    return _Experts(max(counts), [b for _, b, _, _ in found], [s for _, _, s, _ in found], why, columns)
 
 
 def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootprint:
@@ -459,4 +491,5 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
         expert_bytes=moe.expert_bytes or [],
         shared_expert_bytes=moe.shared_bytes or [],
         expert_split=moe.why,
+        expert_columns=moe.columns,
     )

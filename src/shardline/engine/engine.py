@@ -162,7 +162,8 @@ class Engine:
         self._ranges = (
             _stage_ranges(config.model_dir, config.stages) if 1 <= config.stages <= self.layers else []
         )
-        self._owners = self._expert_owners() if config.tp > 1 and config.group_kind == "expert" else []
+        # Each stage's expert map, per held layer (RunnerSpec.expert_owners); empty: no expert groups.
+        self.expert_owners = self._expert_owners() if config.tp > 1 and config.group_kind == "expert" else []
         trained = int(self.model_config.get("max_position_embeddings") or 2**31)
         self.context_length = config.context_length or trained
         self.instance = uuid.uuid4().hex[:12]
@@ -231,6 +232,7 @@ class Engine:
         cfg = self.config
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
         inject = cfg.faults if (generation == 0 or cfg.faults_every_generation) else {}
+        stage = slot if position is None else position
         spec = runner_spec(
             cfg.settings_fields(),
             instance=self.instance,
@@ -242,7 +244,7 @@ class Engine:
             kv_budget_bytes=self.kv_budget_bytes,
             group=cfg.tp,
             member=member,
-            expert_owners=self._owners[position if position is not None else slot] if self._owners else None,
+            expert_owners=self.expert_owners[stage] if self.expert_owners else None,
             position=position,
             model_dir=str(cfg.model_dir),
             window=cfg.window,

@@ -19,6 +19,7 @@ from shardline.cluster import state as cs
 from shardline.cluster.parallelism import (
     ETHERNET_1G,
     LOOPBACK,
+    MOE_TENSOR_GROUPS,
     Choice,
     LinkFigures,
     arrange,
@@ -57,7 +58,8 @@ def moe_footprint(layers: int = 48, experts: int = 128, active: int = 8, dense: 
         head_dim=128,
         intermediate_size=6144,
         quant_group=64,
-        tensor_split="layers hold tensors a tensor-parallel group does not split (mlp.gate)",
+        tensor_split="",
+        expert_columns=768,
         model_type="qwen3_moe",
         experts=experts,
         experts_active=active,
@@ -155,11 +157,12 @@ def test_a_qwen3_moe_over_two_nodes_on_loopback_is_one_expert_group_and_says_why
     assert choice.explanation.startswith("expert groups: 1 stage x expert groups of 2 decode one stream")
     assert "64 of every MoE layer's 128 experts" in choice.explanation
     assert "2 stages (pipeline): " in choice.explanation
-    # Tensor groups of the same machines are costed too, and said why they are out.
+    # Tensor groups of the same machines are costed too (every expert split by columns, two sums a layer),
+    # and said why they are out.
     tensor = next(c for c in choice.candidates if c.group == 2 and not c.experts)
-    assert "1 stage x groups of 2: " in choice.explanation and f"not possible: {tensor.why_not}" in (
-        choice.explanation
-    )
+    assert tensor.why_not == MOE_TENSOR_GROUPS
+    assert f"1 stage x groups of 2: {tensor.token_s * 1e3:.2f} ms" in choice.explanation
+    assert tensor.sums_s == pytest.approx(2 * choice.candidates[-1].sums_s)  # two a layer, one a MoE layer
 
 
 def test_four_nodes_make_two_stages_of_expert_groups_where_the_replicated_attention_and_kv_allow():
@@ -225,9 +228,12 @@ def test_the_request_forces_expert_groups_as_it_forces_tensor_groups():
     pipeline = PlacementRequest(expert_parallel=1)
     assert arrange(fp, caps, place(fp, caps, pipeline), LOOPBACK, pipeline)[0].group == 1
     both = PlacementRequest(tensor_parallel=2, expert_parallel=2, max_stages=2)
-    # The older field's groups are asked for: this model's tensor groups cannot be, and the reason says so.
-    why = arrange(fp, caps, place(fp, caps, both), LOOPBACK, both)[0].explanation
-    assert why.startswith(f"2 stage(s) x groups of 2 asked for, not possible: {fp.tensor_split}")
+    # The older field's groups where both are asked for: tensor groups, every expert split by columns.
+    choice, _ = arrange(fp, caps, place(fp, caps, both), LOOPBACK, both)
+    assert (choice.stages, choice.group, choice.experts) == (2, 2, False), choice.explanation
+    # Columns that would split quantization groups do not split.
+    odd = fp.model_copy(update={"expert_columns": 96})
+    assert "do not split 2 ways" in estimate(odd, caps, 1, 2, LOOPBACK, PlacementRequest()).why_not
 
 
 # ---- the footprint's figures ---------------------------------------------------------------------------
@@ -239,10 +245,12 @@ def test_footprints_of_tiny_moe_models(tmp_path: Path):
     assert (qwen.experts, qwen.experts_active, qwen.expert_split) == (4, 2, "")
     assert qwen.expert_bytes == [3 * 4 * 32 * 64 * 4] * 4  # gate, up, down: 4 experts of 32 x 64 float32
     assert qwen.shared_expert_bytes == [0] * 4 and qwen.moe_layers(0, 4) == 4
+    assert (qwen.tensor_split, qwen.expert_columns) == ("", 32)  # its experts split by columns too
     deepseek = footprint_from_dir(arch_zoo.write("deepseek_v3", tmp_path / "deepseek_v3"))
     assert (deepseek.experts, deepseek.experts_active, deepseek.expert_split) == (4, 2, "")
     assert deepseek.expert_bytes == [0] + [3 * 4 * 32 * 64 * 4] * 3  # first_k_dense_replace: 1
     assert deepseek.shared_expert_bytes == [0] + [3 * 32 * 64 * 4] * 3
+    assert "self_attn.embed_q" in deepseek.tensor_split  # latent attention does not split by heads
     dense = footprint_from_dir(arch_zoo.write("llama", tmp_path / "llama"))
     assert (dense.experts, dense.expert_bytes, dense.expert_split) == (0, [], NO_EXPERTS)
     # An old report without the figures stays valid and never forms expert groups.

@@ -186,7 +186,9 @@ def test_published_checkpoint_names(tmp_path: Path) -> None:
     # The tower and the prediction layer are not the language model's: counted once, with the head.
     assert fp.head_bytes == 2 * (5 * 96 * 32 + 8 * 32 + 50 * 32 + 32) and not fp.tied
     assert fp.kv_bytes_per_token_per_layer == 2 * 2 * 8 * 2  # bfloat16, head_dim 32 / 4
-    assert "does not split (mlp.experts.0.up_proj)" in fp.tensor_split
+    # Experts one by one are experts all the same (mlx-lm's sanitize stacks them); the layers lack attention.
+    assert (fp.experts, fp.expert_bytes, fp.expert_columns) == (1, [2 * 8 * 32] * 3, 8)
+    assert fp.tensor_split == "layers lack self_attn.k_proj, which a tensor-parallel group splits"
 
     # deepseek_v3's checkpoints hold the next-token-prediction layer after the last: mlx-lm drops it.
     tensors = {f"model.layers.{i}.mlp.up_proj.weight": (8, 32) for i in range(3)}
@@ -225,9 +227,10 @@ def test_layers_of_attention_and_a_gated_mlp_split(
     # Which of these a group computes exactly is tests/test_groups_every_architecture.py's to check.
     splits = {a for a, w in zoo.items() if footprint_from_dir(w.path).tensor_split == ""}
     assert {"llama", "qwen2", "qwen3", "granite", "gemma3_text", "cohere2"} <= splits
-    assert not splits & {"mixtral", "deepseek_v3", "qwen3_next", "mamba2", "phi3", "olmo2", "plamo"}
+    assert not splits & {"deepseek_v3", "qwen3_next", "mamba2", "phi3", "olmo2", "plamo"}
     assert all(footprint_from_dir(p).tensor_split == "" for p in tiny_quantized_models.values())
-    assert "does not split (block_sparse_moe" in footprint_from_dir(zoo["mixtral"].path).tensor_split
+    # A mixture of experts splits every expert by columns, its router whole (compute/expert_parallel.py).
+    assert {"mixtral", "qwen3_moe", "qwen2_moe"} <= splits
 
 
 def _edit(source: Path, target: Path, config: dict | None = None, extra: dict | None = None) -> Path:
@@ -241,11 +244,9 @@ def _edit(source: Path, target: Path, config: dict | None = None, extra: dict | 
 @pytest.mark.timeout(60)
 def test_why_a_llama_does_not_split(zoo: dict[str, Written], tmp_path: Path) -> None:
     llama = zoo["llama"].path
-    experts = _edit(
-        llama, tmp_path / "a", extra={"model.layers.1.mlp.switch_mlp.gate_proj.weight": (4, 8, 64)}
-    )
-    assert footprint_from_dir(experts).tensor_split == (
-        "layers hold tensors a tensor-parallel group does not split (mlp.switch_mlp.gate_proj)"
+    unknown = _edit(llama, tmp_path / "a", extra={"model.layers.1.mlp.mystery.weight": (8, 64)})
+    assert footprint_from_dir(unknown).tensor_split == (
+        "layers hold tensors a tensor-parallel group does not split (mlp.mystery)"
     )
     # olmo2's q_norm normalises all heads together: no member has them all.
     wide = _edit(llama, tmp_path / "b", extra={"model.layers.0.self_attn.q_norm.weight": (64,)})
@@ -273,7 +274,7 @@ def test_reports_without_the_field() -> None:
 @pytest.mark.timeout(60)
 def test_a_group_is_not_possible_where_the_layers_do_not_split(zoo: dict[str, Written]) -> None:
     nodes = [NodeCapacity(f"n{i}", 10**9, 100.0, 10e9) for i in range(2)]
-    fp = footprint_from_dir(zoo["mixtral"].path)
+    fp = footprint_from_dir(zoo["jamba"].path)  # recurrent layers beside its attention and experts
     grouped = estimate(fp, nodes, 1, 2, LOOPBACK, PlacementRequest())
     assert not grouped.fits and grouped.why_not == fp.tensor_split
     assert f"not possible: {fp.tensor_split}" in grouped.describe()

@@ -345,6 +345,8 @@ def _expert_columns(tensors: Mapping[str, _HeaderEntry]) -> int:
                 continue
             if name.startswith(f"{switch}.") and len(t.shape) == 3:
                 found = math.gcd(found, t.shape[1])  # (experts, columns, inputs)
+            elif name.startswith(f"{switch}.") and _NUMBERED_EXPERT.match(name):
+                found = math.gcd(found, t.shape[0])  # one expert's (columns, inputs)
             elif moe and any(name.startswith(f"{moe}.{p}.") for p in _SHARED_EXPERTS):
                 found = math.gcd(found, t.shape[0])
     return found

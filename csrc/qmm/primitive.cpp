@@ -148,18 +148,6 @@ Prepared prepare_rows(const float* x, int M, int K, int group_size, int bits, Pa
   return px;
 }
 
-Prepared offset_rows(const Prepared& px, Path path, int row0, int K, int group_size) {
-  Prepared out;
-  if (path == Path::Integer) {
-    out.q.q = px.q.q + size_t(row0) * K;
-    out.q.dx = px.q.dx + size_t(row0) * (K / 32);
-    out.q.xsum = px.q.xsum + size_t(row0) * (K / group_size);
-  } else {
-    out.rows = px.rows + size_t(row0) * K;
-  }
-  return out;
-}
-
 void run_problem(const Problem& p, const QX& xq, Path path) {
   if (p.M == 0 || p.N == 0) return;
   const Kernels* k = g_kernels.load(std::memory_order_relaxed);

@@ -28,16 +28,13 @@ const float* float_rows(const mx::array& x, std::vector<float>& buf);
 
 // x's rows (M x K float32) as `path` reads them: permuted for the 4-bit float kernels (into xp; 8-bit
 // rows stay as they are), or rounded into q16 / dx / xsum for the integer ones. Row i of any of these
-// depends on row i of x alone, so a run of rows is a product of its own.
+// depends on row i of x alone.
 struct Prepared {
   const float* rows = nullptr;  // for Float and Gemm
   QX q;  // for Integer
 };
 Prepared prepare_rows(const float* x, int M, int K, int group_size, int bits, Path path, std::vector<float>& xp,
                       std::vector<int16_t>& q16, std::vector<float>& dx, std::vector<float>& xsum);
-
-// Prepared rows [row0, row0 + rows) of an M x K preparation, pointers only.
-Prepared offset_rows(const Prepared& px, Path path, int row0, int K, int group_size);
 
 // p.y[m * p.ldy + n] for every row of p.x and every row of w: p.x prepared for `path` (xq for Integer).
 void run_problem(const Problem& p, const QX& xq, Path path);

@@ -112,15 +112,21 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
 def cmd_bench_scale(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from shardline.bench.scale import BENCH_SPEC, run
+    from shardline.bench.scale import SPECS, run
 
     positive(args.tokens, "--tokens")
     if not 0 < args.fraction < 1:
         raise CliError(f"--fraction must be between 0 and 1, got {args.fraction}")
-    dtype = args.dtype or BENCH_SPEC.dtype
-    spec = replace(BENCH_SPEC, layers=positive(args.layers, "--layers"), bits=args.bits, dtype=dtype)
-    spec.check()
-    run(json_path=args.json, spec=spec, fraction=args.fraction, tokens=args.tokens)
+    base = SPECS[args.arch]
+    if args.ep is not None and (args.ep < 2 or not base.experts):
+        raise CliError("--ep asks a mixture of experts (--arch qwen3_moe) for expert groups of 2 or more")
+    layers = positive(args.layers, "--layers") if args.layers is not None else base.layers
+    spec = replace(base, layers=layers, bits=args.bits, dtype=args.dtype or base.dtype)
+    try:
+        spec.check()
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    run(json_path=args.json, spec=spec, fraction=args.fraction, tokens=args.tokens, ep=args.ep)
     return 0
 
 
@@ -254,6 +260,19 @@ def add_commands(sub: Any) -> None:
         "scale", help="a synthetic model larger than any node's memory limit, across 3 local nodes"
     )
     bsc.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bsc.add_argument(
+        "--arch",
+        choices=["llama", "qwen3_moe"],
+        default="llama",
+        help="llama (32 layers, 3.6 GB as float32) or a mixture of experts: qwen3_moe (24 layers, "
+        "48 experts of which 8 route, 1.47 GB at 4 bits)",
+    )
+    bsc.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="ask for expert groups of this many nodes (qwen3_moe; default: placement chooses)",
+    )
     bsc.add_argument("--bits", type=int, default=4, help="quantization bits of the synthetic model (0: none)")
     bsc.add_argument(
         "--dtype",
@@ -261,7 +280,9 @@ def add_commands(sub: Any) -> None:
         default=None,
         help="of its scales, biases and norms (default float32: MLX's fast CPU path today)",
     )
-    bsc.add_argument("--layers", type=int, default=32, help="layers of the synthetic model (~28M each)")
+    bsc.add_argument(
+        "--layers", type=int, default=None, help="layers of the synthetic model (default: 32 llama, 24 moe)"
+    )
     bsc.add_argument(
         "--fraction", type=float, default=0.5, help="each node's limit: this much of the weights"
     )

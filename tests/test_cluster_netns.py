@@ -1,7 +1,9 @@
 """The cluster with each node daemon in its own network namespace (testing/netns.py): discovery by zenoh
 multicast scouting alone (no --peer), isolation of cluster namespaces on one wire, and a node whose cable is
 pulled mid-generation (detected within the lease, the request completes exactly on the survivors) and plugged
-back (it rejoins under its id, no ghost, and stops the runners of generations the view no longer lists).
+back (it rejoins under its id, no ghost, and stops the runners of generations the view no longer lists); a
+group member's cable pulled mid-decode, for a tensor group and for an expert group of a mixture of experts
+(whose expert map the leader keeps or announces anew through the recovery).
 
 The test process lives in the root namespace and cannot reach the lab: it drives the cluster through a small
 client process inside the lab (CLIENT below), which takes JSON commands on stdin and prints JSON lines.
@@ -24,6 +26,7 @@ import psutil
 import pytest
 from conftest import assert_no_runner_left, random_prompt
 
+from shardline.testing import arch_zoo
 from shardline.testing.cluster import FAST_RUNNERS
 from shardline.testing.namespaces import list_netns
 from shardline.testing.netns import Host, NetLab, cleanup_stale, netns_skip_reason
@@ -37,6 +40,7 @@ PY = sys.executable
 PORT = 7447
 LEASE_S = 2.0
 NS = "labc"  # the cluster's namespace (the tests' other cluster uses "other")
+MOE = "tiny-qwen3-moe"
 
 # The client, inside the lab. argv: endpoints (JSON list), cluster namespace. Prints one JSON object per
 # line: every fresh view ("view"), and what each command did; stdin EOF closes it.
@@ -68,7 +72,8 @@ def views():
             members=sorted(v.membership.members) if v.membership and v.membership.committed else [],
             instances=[{"instance": r.instance, "generation": r.generation, "phase": r.phase,
                         "recoveries": r.recoveries, "stages": [s.node_id for s in r.stages],
-                        "members": [s.member for s in r.stages], "layout": r.layout}
+                        "members": [s.member for s in r.stages], "layout": r.layout,
+                        "owners": [s.expert_owners for s in r.stages]}
                        for r in v.instances])
 
 threading.Thread(target=views, daemon=True).start()
@@ -90,11 +95,13 @@ for line in sys.stdin:
     try:
         if cmd["cmd"] == "place":
             request = PlacementRequest(sequences=2, reserve_tokens=512, hop_cost_fraction=0.0,
-                                       max_stages=cmd["stages"], tensor_parallel=cmd.get("tp"))
-            reply = client.place("tiny-llama", request)
+                                       max_stages=cmd["stages"], tensor_parallel=cmd.get("tp"),
+                                       expert_parallel=cmd.get("ep"))
+            reply = client.place(cmd.get("model", "tiny-llama"), request)
             rec = client.wait_ready(reply.instance.instance, cmd["timeout"])
             instance = rec.instance
-            say("ready", instance=instance, generation=rec.generation, stages=[s.node_id for s in rec.stages])
+            say("ready", instance=instance, generation=rec.generation, stages=[s.node_id for s in rec.stages],
+                layout=rec.layout, owners=[s.expert_owners for s in rec.stages])
         elif cmd["cmd"] == "submit":
             handle = client.front(instance).submit(cmd["prompt"], max_tokens=cmd["max_tokens"])
             threading.Thread(target=stream, args=(handle, cmd["tag"], cmd["timeout"]), daemon=True).start()
@@ -376,12 +383,21 @@ def reference(models: Path) -> Reference:
     return Reference(models / "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Reference]:
+    """A models folder holding a tiny qwen3_moe (4 experts, 2 routed) as `tiny-qwen3-moe`, and its reference;
+    a context long enough for the long request."""
+    root = tmp_path_factory.mktemp("moe-models")
+    path = arch_zoo.write("qwen3_moe", root / MOE, sizes={"max_position_embeddings": 1024})
+    return root, Reference(path)
+
+
 @pytest.fixture
-def make_lab(tmp_path: Path, models: Path) -> Iterator[Callable[[str, int], Lab]]:
+def make_lab(tmp_path: Path, models: Path) -> Iterator[Callable[..., Lab]]:
     made: list[Lab] = []
 
-    def make(prefix: str, count: int) -> Lab:
-        lab = Lab(prefix, count, tmp_path / prefix, models)
+    def make(prefix: str, count: int, models_dir: Path = models) -> Lab:
+        lab = Lab(prefix, count, tmp_path / prefix, models_dir)
         made.append(lab)
         return lab
 
@@ -498,35 +514,65 @@ def test_link_down_mid_generation_replaces_and_completes_then_the_node_rejoins_w
     assert [r["generation"] for r in last["instances"]] == [rec["generation"]], last
 
 
+def expert_maps_ok(owners: list[list[int]], members: int) -> bool:
+    """Every MoE layer's map holds each expert once, `members` members in equal counts (dense layers: [])."""
+    moe_layers = [row for row in owners if row]
+    return bool(moe_layers) and all(
+        sorted(set(row)) == list(range(members)) and len({row.count(m) for m in range(members)}) == 1
+        for row in moe_layers
+    )
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["tensor", "expert"])
 def test_a_group_members_link_cut_mid_decode_fails_its_stage_within_the_deadline_and_recovers_exactly(
-    make_lab, reference
+    make_lab, reference, request, kind
 ):
     """A stage of two runners on two machines (face k1, member k2); k2's cable is pulled mid-decode. The
     face's sum waits the step's deadline, names the member, and the instance is rebuilt off k2 with the
-    text unchanged; with the cable back, k2's runner of the old generation is stopped."""
-    lab = make_lab("sltp", 4)
+    text unchanged; with the cable back, k2's runner of the old generation is stopped. A tensor group of the
+    tiny llama (every matrix split), or an expert group of a tiny qwen3_moe (each member holds whole experts:
+    the face's record carries the expert map its runners were launched with, kept or announced anew by the
+    leader through the recovery)."""
+    if kind == "expert":
+        models_dir, reference = request.getfixturevalue("moe")
+        lab = make_lab("slep", 4, models_dir)
+        place = {"model": MOE, "ep": 2}
+    else:
+        lab = make_lab("sltp", 4)
+        place = {"tp": 2}
     for i, node_id in enumerate(("k1", "k2", "k3")):
         lab.node(i, node_id).wait_listening()
     client = lab.client(3, via=["k1"])
     client.view(lambda v: alive(v) == {"k1", "k2", "k3"} and v["master"] == "k1", 60, "k1-k3, k1 master")
-    client.send(cmd="place", stages=1, tp=2, timeout=60)
+    client.send(cmd="place", stages=1, timeout=60, **place)
     ready = client.event("ready", 90, "the group ready", cmd="place")
     instance, generation, stages = ready["instance"], ready["generation"], ready["stages"]
     assert stages == ["k1", "k2"], f"placed on {stages}"
+    if kind == "expert":  # the face's record holds the map its runners were launched with; the member's none
+        assert ready["layout"].startswith("expert groups"), ready["layout"]
+        first = ready["owners"][0]
+        assert expert_maps_ok(first, 2) and ready["owners"][1] == [], ready["owners"]
+    else:
+        assert ready["owners"] == [[], []], ready["owners"]
     victim = lab.nodes["k2"]
     _, expected, cut, t_down = cut_mid_request(lab, client, victim, reference, seed=23)
     done = client.event("done", 90, "the long request's end", tag="long")
     assert done["tokens"] == expected, "the request's tokens differ from the reference"
     replaced, rec = wait_replaced(client, instance, generation, cut)
     assert "k2" not in rec["stages"] and rec["recoveries"] >= 1, rec
+    if kind == "expert":  # still one expert group of two (k1 and k3), on the kept map or a valid new one
+        assert rec["layout"].startswith("expert groups") and len(rec["stages"]) == 2, rec
+        after_map = rec["owners"][0]
+        assert after_map == first or expert_maps_ok(after_map, 2), rec["owners"]
     tokens = [e for e in client.events if e["ev"] == "token" and e.get("tag") == "long"]
     after = [e for e in tokens if e["t"] > t_down]
     assert after, "no token after the cut"
     resumed = after[0]["t"] - t_down
+    kept = "" if kind != "expert" else f"; expert map {'kept' if after_map == first else 'announced anew'}"
     print(
-        f"\nlink of group member k2 cut after token 4: re-placed on {rec['stages']} "
-        f"ready {client.events[replaced]['t'] - t_down:.2f}s after, next token {resumed:.2f}s after"
+        f"\nlink of {kind} group member k2 cut after token 4: re-placed on {rec['stages']} "
+        f"ready {client.events[replaced]['t'] - t_down:.2f}s after, next token {resumed:.2f}s after{kept}"
     )
     # Cable back: k2's runner of the old generation is stopped (the view no longer lists it).
     lab.net.link_up(victim.host)

@@ -52,11 +52,11 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _member(
-    path: Path, r: int, owners: list[list[int]] | None, sums: _ThreadSum, inq: Any, outq: Any
+    path: Path, r: int, owners: list[list[int]] | None, heads: bool, sums: _ThreadSum, inq: Any, outq: Any
 ) -> None:
     try:
         with mx.stream(mx.new_stream(mx.cpu)):  # a runner's own: arrays made here are used here
-            m = load_shard(path, member=r, group=2, expert_owners=owners)
+            m = load_shard(path, member=r, group=2, expert_owners=owners, expert_heads=heads)
             outq.put(m)
             m.join_group(sums.reduce(r), sums.gather(r))
             cache = m.make_cache(8)
@@ -68,14 +68,14 @@ def _member(
         outq.put(exc)
 
 
-def _group_error(path: Path, owners: list[list[int]] | None) -> str:
+def _group_error(path: Path, owners: list[list[int]] | None, heads: bool = False) -> str:
     """Run two members against the whole model over CHUNKS: "" when they agree, else what went wrong."""
     whole = load_shard(path)
     sums = _ThreadSum(2)
     ins: list[queue.Queue] = [queue.Queue(), queue.Queue()]
     outs: list[queue.Queue] = [queue.Queue(), queue.Queue()]
     for r in range(2):
-        args = (path, r, owners, sums, ins[r], outs[r])
+        args = (path, r, owners, heads, sums, ins[r], outs[r])
         threading.Thread(target=_member, args=args, daemon=True).start()
     try:
         loaded = [outs[r].get(timeout=120) for r in range(2)]
@@ -140,5 +140,17 @@ def test_moe_tensor_groups_split_every_expert_by_columns(moe_models: dict[str, P
     wrong = {}
     for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "granitemoe"):
         if error := _group_error(moe_models[arch], None):
+            wrong[arch] = error
+    assert not wrong, wrong
+
+
+@pytest.mark.timeout(600)
+def test_expert_groups_may_split_attention_by_heads_too(moe_models: dict[str, Path]) -> None:
+    """The other arrangement of an expert group: attention by heads as well (a sum more a layer, half the
+    attention each); latent attention (deepseek_v3), which does not split, stays whole."""
+    wrong = {}
+    for arch in ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next"):
+        path = moe_models[arch]
+        if error := _group_error(path, _alternate(path), heads=True):
             wrong[arch] = error
     assert not wrong, wrong

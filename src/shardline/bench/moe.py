@@ -143,6 +143,8 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
             load = _routed(engine)
             face = engine.fresh_heartbeats(30)[0]
             sums = {"decode": face.sum_us_decode, "chunk": face.sum_us_chunk}
+        with tpb.engine_with(model_dir, 1, 2, group_kind="expert", expert_heads=True) as engine:
+            heads = _measure(engine, vocab)
         with tpb.engine_with(model_dir, 1, 2, group_kind="expert", expert_load=load) as engine:
             routed = _measure(engine, vocab)
         with tpb.engine_with(model_dir, 1, 2, group_kind="tensor") as engine:
@@ -150,7 +152,8 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
         with tpb.engine_with(model_dir, 1, 1) as engine:
             single.append(_measure(engine, vocab))
         base = {k: statistics.mean(s[k] for s in single) for k in single[0]}
-        for name, figures in (("single", base), ("ep2", ep2), ("ep2_routed", routed), ("tp2", tp2)):
+        runs = (("single", base), ("ep2", ep2), ("ep2_heads", heads), ("ep2_routed", routed), ("tp2", tp2))
+        for name, figures in runs:
             for k, v in figures.items():
                 raws[f"{name}_{k}"].append(v)
         ratios["decode_ratio_ep2_vs_single"].append(ep2["decode_tps"] / base["decode_tps"])
@@ -159,6 +162,8 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
         ratios["throughput_ratio_8streams_ep2_vs_single"].append(ep2["streams_tps"] / base["streams_tps"])
         ratios["decode_ratio_tp2_experts_vs_single"].append(tp2["decode_tps"] / base["decode_tps"])
         ratios["decode_ratio_ep2_routed_vs_ep2"].append(routed["decode_tps"] / ep2["decode_tps"])
+        ratios["decode_ratio_ep2_heads_vs_ep2"].append(heads["decode_tps"] / ep2["decode_tps"])
+        ratios["prefill_ratio_ep2_heads_vs_ep2"].append(heads["prefill_tps"] / ep2["prefill_tps"])
         ratios["throughput_ratio_ep2_routed_vs_ep2"].append(routed["streams_tps"] / ep2["streams_tps"])
     sizes = weight_sizes(model_dir)
     experts_total = sum(fp.expert_bytes)
@@ -170,10 +175,11 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
         "weight_bytes": sizes["stored_bytes"],
         "expert_bytes": experts_total,
         "rounds": rounds,
-        "setup": "engines single (1 runner), ep2 (1 stage, an expert group of 2), ep2_routed (the same, its "
-        "experts placed by the routing ep2 measured), tp2 (1 stage, a tensor group of 2 splitting every "
+        "setup": "engines single (1 runner), ep2 (1 stage, an expert group of 2, attention whole on each "
+        "member), ep2_heads (the same with attention split by heads), ep2_routed (ep2 with its experts "
+        "placed by the routing ep2 measured), tp2 (1 stage, a tensor group of 2 splitting every "
         "expert by columns), each runner pinned to its own core, one BLAS thread; each round single, ep2, "
-        "ep2_routed, tp2, single, the groups over the mean of the two single runs; decode: "
+        "ep2_heads, ep2_routed, tp2, single, the groups over the mean of the two single runs; decode: "
         f"{tpb.DECODE_TOKENS} tokens after a {tpb.DECODE_PROMPT}-token prompt, one stream; prefill: time to "
         f"first token of a {tpb.PROMPT}-token prompt in chunks of {tpb.PREFILL_STEP}; throughput: "
         f"{STREAMS} streams of {STREAM_TOKENS} tokens decoding together",
@@ -219,6 +225,8 @@ def report(r: dict) -> str:
         "decode_ratio_tp2_experts_vs_single",
         "decode_ratio_ep2_routed_vs_ep2",
         "throughput_ratio_ep2_routed_vs_ep2",
+        "decode_ratio_ep2_heads_vs_ep2",
+        "prefill_ratio_ep2_heads_vs_ep2",
     ):
         lines.append(f"  {k}: {r[k]}")
     lines.append(

@@ -132,20 +132,25 @@ def group_split_reason(blocks: list[Any], experts: bool) -> str:
     return ""
 
 
-def split_member(block: Any, rank: int, size: int, owners: list[int] | None) -> None:
+def split_member(block: Any, rank: int, size: int, owners: list[int] | None, heads: bool = False) -> bool:
     """Member `rank`'s share of a block, in a group of `size`: by experts where `owners` is given (an expert
-    group: [] for a dense layer, kept whole), else by heads and columns (a tensor group)."""
+    group: [] for a dense layer, kept whole; its attention by heads too where `heads` and it splits), else
+    by heads and columns (a tensor group). Returns whether its attention was split by heads."""
     if size == 1:
-        return
+        return False
     if owners is not None:
         split_by_experts(block, rank, size, owners)
-        return
+        if heads and not tp.attention_split_reason(block):
+            tp.split_attention(block.self_attn, rank, size)
+            return True
+        return False
     site = moe_site(block)
     if site is None:
         tp.split_block(block, rank, size)
-        return
+        return True
     tp.split_attention(block.self_attn, rank, size)
     split_experts_by_columns(site, rank, size)
+    return True
 
 
 class HeldExperts(nn.Module):
@@ -228,16 +233,16 @@ def split_experts_by_columns(site: MoeSite, rank: int, size: int) -> None:
     _split_shared(site, rank, size)
 
 
-def join_block(block: Any, reduce: Reduce, experts: bool) -> None:
+def join_block(block: Any, reduce: Reduce, experts: bool, heads: bool) -> None:
     """A member's block ends its partial sums in the group's sum: the MoE module's output (both kinds of
-    group), and in a tensor group the attention output and a dense MLP's down projection."""
+    group), the attention output where `split_member` split it by heads, and in a tensor group a dense
+    MLP's down projection."""
     site = moe_site(block)
     if site is not None:
         site.parent[site.key] = GroupSum(site.moe, reduce)
-    if experts:
-        return
-    block.self_attn.o_proj = GroupSum(block.self_attn.o_proj, reduce)
-    if site is None:
+    if heads:
+        block.self_attn.o_proj = GroupSum(block.self_attn.o_proj, reduce)
+    if not experts and site is None:
         block.mlp.down_proj = GroupSum(block.mlp.down_proj, reduce)
 
 

@@ -266,6 +266,7 @@ class GenericShard:
     why_generic = ""  # set by load_shard: why the fast path does not run this stage
     bounded_attention = False  # set by load_shard: prefill attention in tiles (compute/path_check.py)
     experts_split = False  # set by load_shard: an expert-parallel group's member (compute/expert_parallel.py)
+    heads_split: list[bool] = []  # set by load_shard: which held layers' attention a group split by heads
 
     def __init__(self, model: nn.Module, config: dict, layers: LayerRange, member: int = 0) -> None:
         self.model = model
@@ -378,8 +379,9 @@ class GenericShard:
         """Each held block's partial sums end in the group's sum (compute/expert_parallel.py: join_block): a
         tensor group's attention output and MLP down projection, any group's MoE module; the face computes the
         whole head (no vocabulary split on this path)."""
-        for block in self.layers:
-            expert_parallel.join_block(block, reduce, self.experts_split)
+        heads = self.heads_split or [not self.experts_split] * len(self.layers)
+        for block, split in zip(self.layers, heads, strict=True):
+            expert_parallel.join_block(block, reduce, self.experts_split, split)
 
     def weight_bytes(self) -> int:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))

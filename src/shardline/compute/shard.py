@@ -263,12 +263,14 @@ def load_shard(
     member: int = 0,
     group: int = 1,
     expert_owners: list[list[int]] | None = None,
+    expert_heads: bool = False,
 ) -> Shard:
     """Materialise only this stage's weights (member `member`'s share of them, in a tensor-parallel group of
     `group`, or an expert-parallel one where `expert_owners` maps each held layer's experts to members:
-    compute/expert_parallel.py): everything else stays a lazy, never-read array. The stage takes the fast
-    path where its blocks are llama-shaped and compute what the model's own forward computes (`fast_check`),
-    else the generic one; `shard.why_generic` says why. `SHARDLINE_FAST=0` keeps every stage generic."""
+    compute/expert_parallel.py; its attention split by heads too where `expert_heads`): everything else
+    stays a lazy, never-read array. The stage takes the fast path where its blocks are llama-shaped and
+    compute what the model's own forward computes (`fast_check`), else the generic one;
+    `shard.why_generic` says why. `SHARDLINE_FAST=0` keeps every stage generic."""
     config = load_config(Path(model_dir))
     check_architecture(config)
     # A stage directory fetched from a peer (cluster/weights/) holds only its own tensors, which strict
@@ -307,8 +309,10 @@ def load_shard(
     if partial:
         _check_partial(model, Path(model_dir), layers)
     generic.experts_split = experts
+    generic.heads_split = []
     for i, layer in enumerate(blocks):  # one layer at a time: only this member's slice is ever read in full
-        expert_parallel.split_member(layer, member, group, owners[i] if owners is not None else None)
+        held = owners[i] if owners is not None else None
+        generic.heads_split.append(expert_parallel.split_member(layer, member, group, held, expert_heads))
         if on_cpu:
             if not why:  # llama-shaped blocks call their projections and nothing else reads them
                 make_input_major(layer)

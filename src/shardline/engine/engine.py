@@ -56,6 +56,8 @@ class EngineConfig(InstanceSettings):
     # Measured tokens routed to each expert, per model layer ([] for a dense layer): an expert group spreads
     # hot experts across its members by them (cluster/experts.py); empty: experts in contiguous blocks.
     expert_load: list[list[float]] = []
+    # An expert group's members split attention by heads too, instead of each holding it whole.
+    expert_heads: bool = False
     window: int = Field(0, ge=0)
     # KV bytes the leader may reserve for running requests (0: half the memory available at start), as they
     # use it: requests whose prompts do not fit now wait, up to max_queue of them (one more is refused with
@@ -245,6 +247,7 @@ class Engine:
             group=cfg.tp,
             member=member,
             expert_owners=self.expert_owners[stage] if self.expert_owners else None,
+            expert_heads=cfg.expert_heads,
             position=position,
             model_dir=str(cfg.model_dir),
             window=cfg.window,

@@ -80,6 +80,9 @@ class RunnerSpec(InstanceSettings):
     # An expert-parallel group (compute/experts.py): per layer of the stage, the member that holds each routed
     # expert ([] for a dense layer). Empty: a tensor-parallel group, or no group.
     expert_owners: list[list[int]] = []
+    # An expert group whose members split attention by heads too (one sum more a layer, half the attention
+    # and KV each) instead of each holding it whole; placement chooses (cluster/parallelism.py).
+    expert_heads: bool = False
     position: int | None = None  # the ring stage, where `slot` is past the ring's stages
     cpu: int | None = None
     parent_pid: int | None = None
@@ -133,6 +136,7 @@ def runner_spec(
     group: int = 1,
     member: int = 0,
     expert_owners: list[list[int]] | None = None,
+    expert_heads: bool = False,
     position: int | None = None,
     model_dir: str = "",
     model: str = "",
@@ -158,6 +162,7 @@ def runner_spec(
         group=group,
         member=member,
         expert_owners=expert_owners or [],
+        expert_heads=expert_heads,
         position=position,
         model_dir=model_dir,
         model=model,

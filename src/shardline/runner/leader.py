@@ -114,8 +114,8 @@ class Leader:
         self.batch_rates = BatchRates()
         own_layers = self.spec.layer_end - self.spec.layer_start
         # Its own share of its heads' KV, for the whole model: every stage's tensor groups split the heads
-        # alike; an expert group's members each hold the attention, and its KV, whole.
-        split = 1 if self.spec.expert_owners else self.spec.group
+        # alike; an expert group's members each hold the attention, and its KV, whole (unless split by heads).
+        split = 1 if self.spec.expert_owners and not self.spec.expert_heads else self.spec.group
         per_layer = self.stage.kv_bytes_per_token * split // own_layers
         self.kv_bytes_per_token = per_layer * self.spec.layer_total
         # KV reservations and the prefix cache, in blocks of one prefill chunk (the stages' KV blocks).

@@ -119,7 +119,13 @@ class RunnerProcess:
         # Attention scratch per head: one chunk attending to TILE_KEYS keys, at any context length.
         budget = spec.score_budget or attention.score_budget(spec.prefill_step)
         shard = load_shard(
-            Path(spec.model_dir), layers, budget, spec.member, spec.group, spec.expert_owners or None
+            Path(spec.model_dir),
+            layers,
+            budget,
+            spec.member,
+            spec.group,
+            spec.expert_owners or None,
+            spec.expert_heads,
         )
         self.stage = self.mirrored = StageCompute(shard, Path(spec.model_dir), block=spec.prefill_step)
         if self.stage.matchers is not None:

@@ -319,3 +319,12 @@ def test_the_map_reaches_every_member_and_survives_a_recovery_unless_routing_is_
     _, launches, _ = layouts.layout(s, instance, 2, keep={}, avoid=set())
     remapped = launches[0][1].spec.expert_owners + launches[1][1].spec.expert_owners
     assert remapped == ex.stage_owners(FP, 0, 8, 2, load) and remapped != custom
+
+
+def test_measured_load_gathers_each_faces_rows_by_model_layer() -> None:
+    from shardline.cluster.experts import measured_load
+
+    # Two stages' faces: layers [0, 2) and [2, 4); a dense layer reports [].
+    got = measured_load([(2, [[5, 1], []]), (0, [[1, 2], [3, 4]])])
+    assert got == [[1.0, 2.0], [3.0, 4.0], [5.0, 1.0]]  # up to the last layer measured
+    assert measured_load([]) == []

@@ -25,6 +25,7 @@ from typing import Any
 
 from shardline.bench import tp as tpb
 from shardline.bench.machine import describe
+from shardline.cluster.experts import measured_load
 from shardline.engine.engine import Engine
 from shardline.models.footprint import footprint_from_dir
 from shardline.models.synth import SynthSpec, weight_sizes
@@ -87,15 +88,10 @@ def _measure(engine: Engine, vocab: int) -> dict[str, float]:
 
 def _routed(engine: Engine) -> list[list[float]]:
     """Tokens routed to each expert of each model layer, from the group's faces' heartbeats."""
-    by_layer: dict[int, list[float]] = {}
-    for beat in engine.fresh_heartbeats(30):
-        view = engine.controller.state.views[beat.slot] if engine.controller else None
-        start = view.ready.layers[0] if view is not None and view.ready is not None else 0
-        for i, row in enumerate(beat.routed):
-            if row:
-                by_layer[start + i] = [float(x) for x in row]
-    layers = max(by_layer, default=-1) + 1
-    return [by_layer.get(i, []) for i in range(layers)]
+    assert engine.controller is not None
+    views = engine.controller.state.views
+    beats = engine.fresh_heartbeats(30)
+    return measured_load([(views[b.slot].ready.layers[0], b.routed) for b in beats if b.routed])
 
 
 def _expert_bytes(engine: Engine) -> list[int]:

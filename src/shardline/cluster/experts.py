@@ -208,3 +208,14 @@ def layer_memory(fp: ModelFootprint, layer: int, mode: str, members: int) -> flo
     if mode == EXPERT and routed:
         return total - routed - shared + (routed + shared) / members
     return float(total)
+
+
+def measured_load(faces: Sequence[tuple[int, Sequence[Sequence[int]]]]) -> list[list[float]]:
+    """Tokens routed to each expert per model layer ([] where unmeasured), from expert groups' faces'
+    reports: (the face's first layer, its heartbeat's `routed` rows)."""
+    by_layer: dict[int, list[float]] = {}
+    for start, rows in faces:
+        for i, row in enumerate(rows):
+            if row:
+                by_layer[start + i] = [float(x) for x in row]
+    return [by_layer.get(i, []) for i in range(max(by_layer, default=-1) + 1)]

@@ -35,9 +35,11 @@ def layout(
     generation: int,
     keep: Mapping[str, tuple[int, int]],
     avoid: set[str],
+    load: list[list[float]] | None = None,
 ) -> tuple[tuple[cm.StageRecord, ...], list[Launch], str]:
     """Place the model over the nodes alive now; one StartRunner per runner (a stage, or a member of a
-    stage's tensor-parallel group), and why that layout. Raises LayoutError."""
+    stage's tensor-parallel group), and why that layout. `load`: the routing the last generation's expert
+    groups measured (cluster/experts.py: measured_load), else the record's. Raises LayoutError."""
     rec = state.records.get(instance)
     if rec is None:
         raise LayoutError(f"instance {instance!r} was removed")
@@ -61,7 +63,8 @@ def layout(
             usable = nodes
             placement = place(fp, nodes, rec.request, keep=keep)
         previous = expert_map(rec)
-        why, runners = arranged(snap, fp, usable, placement, rec.request, previous, rec.expert_load)
+        measured = load or rec.expert_load
+        why, runners = arranged(snap, fp, usable, placement, rec.request, previous, measured)
     except (PlacementError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
     groups = any(r.member for r in runners)

@@ -28,6 +28,7 @@ import zenoh
 from shardline.cluster import layouts
 from shardline.cluster import master_state as ms
 from shardline.cluster import messages as cm
+from shardline.cluster.experts import measured_load
 from shardline.cluster.keys import ClusterKeys
 from shardline.controller.controller import InstanceController, Launch
 from shardline.controller.state import ControllerConfig, Failure, stage_phase
@@ -135,7 +136,14 @@ class Master:
         if rec is not None:
             keep = layouts.keep_layers(rec, c.state.failures) if c.reuse else {}
             avoid = layouts.unreachable(rec, c.state.failures)
-        stages, launches, why = layouts.layout(state, instance, generation, keep, avoid)
+        # The routing the last generation's expert groups saw: a new map spreads its hot experts.
+        faces = [
+            (v.ready.layers[0], v.heartbeat.routed)
+            for v in c.state.views
+            if v.ready is not None and v.heartbeat is not None and v.heartbeat.routed
+        ]
+        load = measured_load(faces)
+        stages, launches, why = layouts.layout(state, instance, generation, keep, avoid, load)
         digest = (
             launches[0][1].digest if launches else ""
         )  # kept in the record: views carry it to a new master

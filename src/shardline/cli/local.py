@@ -37,6 +37,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--tp", type=int, default=1, help="runners per stage: a tensor-parallel group of this size (1: none)"
     )
     p.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="runners per stage: an expert-parallel group of this size, each holding whole experts of a "
+        "mixture of experts (instead of --tp)",
+    )
+    p.add_argument(
         "--prefill-step",
         type=int,
         default=settings.default("prefill_step"),
@@ -61,10 +68,14 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
     """A local pipeline's settings from the engine flags (_add_engine_args)."""
     from shardline.engine.engine import EngineConfig
 
+    if args.ep is not None and args.tp != 1:
+        raise CliError("--tp and --ep ask for different groups: give one")
+    experts = args.ep is not None
     return EngineConfig(
         model_dir=model_dir,
         stages=args.stages,
-        tp=positive(args.tp, "--tp"),
+        tp=positive(args.ep if experts else args.tp, "--ep" if experts else "--tp"),
+        group_kind="expert" if experts else "tensor",
         prefill_step=args.prefill_step,
         step_timeout=args.step_timeout,
         prefix_cache=not args.no_prefix_cache,

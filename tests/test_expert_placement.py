@@ -19,7 +19,6 @@ from shardline.cluster import state as cs
 from shardline.cluster.parallelism import (
     ETHERNET_1G,
     LOOPBACK,
-    MOE_TENSOR_GROUPS,
     Choice,
     LinkFigures,
     arrange,
@@ -34,9 +33,15 @@ SLOW_LINK = LinkFigures(rtt_s=3e-3, bytes_per_s=30e6)
 READ = 10e9
 
 
-def moe_footprint(layers: int = 48, experts: int = 128, active: int = 8, dense: int = 0) -> ModelFootprint:
+LATENT = "layers hold tensors a tensor-parallel group does not split (self_attn.embed_q)"
+
+
+def moe_footprint(
+    layers: int = 48, experts: int = 128, active: int = 8, dense: int = 0, latent: bool = False
+) -> ModelFootprint:
     """Qwen3-30B-A3B's shapes at 4 bits (0.5625 bytes a weight with its scales): 128 experts of 768 columns,
-    8 routed a token, 32 query and 4 key/value heads of 128; the first `dense` layers dense."""
+    8 routed a token, 32 query and 4 key/value heads of 128; the first `dense` layers dense. `latent`: its
+    attention does not split by heads (as deepseek's latent attention), so no tensor group can split it."""
     hidden, bpw = 2048, 0.5625
     routed = int(experts * 3 * hidden * 768 * bpw)
     attention = int((hidden * 32 * 128 * 2 + hidden * 4 * 128 * 2) * bpw) + experts * hidden * 2
@@ -58,7 +63,7 @@ def moe_footprint(layers: int = 48, experts: int = 128, active: int = 8, dense: 
         head_dim=128,
         intermediate_size=6144,
         quant_group=64,
-        tensor_split="",
+        tensor_split=LATENT if latent else "",
         expert_columns=768,
         model_type="qwen3_moe",
         experts=experts,
@@ -151,25 +156,39 @@ def test_stage_maps_skip_dense_layers_use_measured_load_and_survive_a_recovery()
 # ---- the estimate --------------------------------------------------------------------------------------
 
 
-def test_a_qwen3_moe_over_two_nodes_on_loopback_is_one_expert_group_and_says_why():
-    choice = decide(moe_footprint(), 2, 12.0, LOOPBACK)
+def test_a_latent_attention_moe_over_two_nodes_on_loopback_is_one_expert_group_and_says_why():
+    choice = decide(moe_footprint(latent=True), 2, 12.0, LOOPBACK)
     assert (choice.stages, choice.group, choice.experts) == (1, 2, True), choice.explanation
-    assert choice.explanation.startswith("expert groups: 1 stage x expert groups of 2 decode one stream")
-    assert "64 of every MoE layer's 128 experts" in choice.explanation
+    assert choice.explanation.startswith(
+        "expert groups: 1 stage x expert groups (attention whole) of 2 decode one stream"
+    )
+    assert "64 of every MoE layer's 128 experts and the attention whole" in choice.explanation
     assert "2 stages (pipeline): " in choice.explanation
-    # Tensor groups of the same machines are costed too (every expert split by columns, two sums a layer),
-    # and said why they are out.
+    # Tensor groups of the same machines are costed too and said why they are out: the attention.
     tensor = next(c for c in choice.candidates if c.group == 2 and not c.experts)
-    assert tensor.why_not == MOE_TENSOR_GROUPS
+    assert tensor.why_not == LATENT
     assert f"1 stage x groups of 2: {tensor.token_s * 1e3:.2f} ms" in choice.explanation
-    assert tensor.sums_s == pytest.approx(2 * choice.candidates[-1].sums_s)  # two a layer, one a MoE layer
+
+
+def test_where_attention_splits_tensor_groups_read_less_and_are_made():
+    """Every expert split by columns reads 1/k of a token's experts; an expert group's busiest member reads
+    63% of them (`bench moe` measured tensor groups of 2 at 1.6x expert groups of 2 on loopback): placement
+    makes tensor groups, and costs the expert groups with attention split by heads, their faster arrangement
+    where the link is fast."""
+    choice = decide(moe_footprint(), 2, 12.0, LOOPBACK)
+    assert (choice.stages, choice.group, choice.experts) == (1, 2, False), choice.explanation
+    expert = next(c for c in choice.candidates if c.group == 2 and c.experts)
+    assert expert.fits and expert.heads and expert.token_s > choice.candidates[1].token_s
+    assert "1 stage x expert groups (attention by heads) of 2" in choice.explanation
+    tensor = next(c for c in choice.candidates if c.group == 2 and not c.experts)
+    assert tensor.sums_s == pytest.approx(expert.sums_s)  # two a layer either way
 
 
 def test_four_nodes_make_two_stages_of_expert_groups_where_the_replicated_attention_and_kv_allow():
-    fp = moe_footprint()
+    fp = moe_footprint(latent=True)
     choice = decide(fp, 4, 6.5, LOOPBACK)
     assert (choice.stages, choice.group, choice.experts) == (2, 2, True), choice.explanation
-    assert "2 stages x expert groups of 2 decode one stream" in choice.explanation
+    assert "2 stages x expert groups (attention whole) of 2 decode one stream" in choice.explanation
     # One group of four would read less, but every member would hold the whole attention and its KV.
     four = next(c for c in choice.candidates if c.group == 4 and c.experts)
     assert not four.fits and "needs" in four.why_not
@@ -180,16 +199,20 @@ def test_four_nodes_make_two_stages_of_expert_groups_where_the_replicated_attent
 def test_slow_links_keep_the_pipeline(count: int):
     gb = 12.0 if count == 2 else 6.5
     for link in (ETHERNET_1G, SLOW_LINK):
-        choice = decide(moe_footprint(), count, gb, link)
+        choice = decide(moe_footprint(latent=True), count, gb, link)
         assert choice.group == 1 and not choice.experts, choice.explanation
-        assert "expert groups of 2" in choice.explanation
+        assert "expert groups (attention whole) of 2" in choice.explanation
 
 
 def test_an_expert_group_is_charged_its_busiest_members_share_and_one_sum_a_moe_layer():
-    fp = moe_footprint(layers=8, dense=2)
+    fp = moe_footprint(layers=8, dense=2, latent=True)
     pipeline = estimate(fp, nodes(1, 64), 1, 1, LOOPBACK, PlacementRequest())
     grouped = estimate(fp, nodes(2, 64), 1, 2, LOOPBACK, PlacementRequest(), experts=True)
-    assert grouped.fits and grouped.experts and grouped.describe().startswith("1 stage x expert groups of 2")
+    assert (
+        grouped.fits
+        and grouped.experts
+        and grouped.describe().startswith("1 stage x expert groups (attention whole) of 2")
+    )
     share = ex.expected_max_share(128, 8, 2)
     routed = fp.expert_bytes[-1] * 8 / 128
     saved = 6 * (1 - share) * routed / READ  # six MoE layers, each reading the busiest member's share
@@ -213,7 +236,9 @@ def test_the_request_forces_expert_groups_as_it_forces_tensor_groups():
     caps, request = nodes(4, 64), PlacementRequest(expert_parallel=2, max_stages=2)
     choice, runners = arrange(fp, caps, place(fp, caps, request), SLOW_LINK, request)
     assert (choice.stages, choice.group, choice.experts) == (2, 2, True)
-    assert choice.explanation.startswith("expert groups: asked for; 2 stages x expert groups of 2")
+    assert choice.explanation.startswith(
+        "expert groups: asked for; 2 stages x expert groups (attention whole) of 2"
+    )
     assert [(n, s, m) for n, s, m, _, _ in runners] == [
         ("n0", 0, 0),
         ("n2", 1, 0),

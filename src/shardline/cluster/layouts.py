@@ -76,7 +76,18 @@ def layout(
         group = len(runners) // ring_stages
         face = runners[a.ring if a.member and a.ring is not None else k]
         start = _start_runner(
-            state, rec, fp, generation, k, a, ring_stages, endpoints, sources, group, face.expert_owners
+            state,
+            rec,
+            fp,
+            generation,
+            k,
+            a,
+            ring_stages,
+            endpoints,
+            sources,
+            group,
+            face.expert_owners,
+            face.expert_heads,
         )
         start = start.model_copy(update={"digest": digest})
         # A survivor keeps its process where its layers stay (keep is empty unless reuse is on); a group's
@@ -98,9 +109,10 @@ def _start_runner(
     sources: list[str],
     group: int = 1,
     expert_owners: list[list[int]] | None = None,
+    expert_heads: bool = False,
 ) -> m.StartRunner:
-    """The command that starts runner `slot` of a generation on node `a.node_id`; `expert_owners`: its
-    expert group's map (its face's record's)."""
+    """The command that starts runner `slot` of a generation on node `a.node_id`; `expert_owners`,
+    `expert_heads`: its expert group's map and arrangement (its face's record's)."""
     spec = runner_spec(
         state.config.spec_fields,
         instance=rec.instance,
@@ -113,6 +125,7 @@ def _start_runner(
         group=group,
         member=a.member,
         expert_owners=expert_owners,
+        expert_heads=expert_heads,
         position=a.ring,
         model=rec.model,
         namespace=state.config.namespace,
@@ -162,6 +175,7 @@ def arranged(
             ring=stage if member else None,
             member=member,
             expert_owners=choice.owners[stage] if choice.experts and not member else [],
+            expert_heads=choice.heads and not member,
         )
         for node, stage, member, s, e in runners
     ]

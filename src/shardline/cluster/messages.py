@@ -102,6 +102,7 @@ class StageRecord(Wire):
     # An expert-parallel group's face: per layer of its stage, the member holding each routed expert ([] for
     # a dense layer; cluster/experts.py). Its members run by their face's; [] for any other runner.
     expert_owners: list[list[int]] = []
+    expert_heads: bool = False  # its expert group's members split attention by heads too (its face's)
 
 
 class InstanceRecord(Wire):

@@ -53,13 +53,6 @@ SUM_OVERHEAD_S = 60e-6
 HOP_OVERHEAD_S = 400e-6
 GROUP_GAIN = 0.15  # groups must make one stream's token this much faster than the pipeline placed
 GROUP_SIZES = (2, 4, 8)
-# Tensor groups of a mixture of experts split every expert by columns: by bytes a member reads less than an
-# expert group's busiest member, but many small expert slices run slower than whole experts, by a factor no
-# bench has measured yet. Until one does, they are costed and listed, and made only where asked for.
-MOE_TENSOR_GROUPS = (
-    "tensor groups of a mixture of experts are made only where asked for (tensor_parallel): their split "
-    "experts' speed is not measured"
-)
 READ_FALLBACK = 10e9  # bytes/s of a node that did not measure its read bandwidth
 
 
@@ -91,6 +84,9 @@ class Candidate:
     fits: bool
     why_not: str = ""
     experts: bool = False  # the groups hold whole experts (expert parallelism), not slices of every layer
+    heads: bool = (
+        False  # an expert group whose members split attention by heads too (RunnerSpec.expert_heads)
+    )
 
     @property
     def runners(self) -> int:
@@ -104,7 +100,10 @@ class Candidate:
         shape = f"{self.stages} stage{'s' if self.stages > 1 else ''}"
         if self.group == 1:
             return f"{shape} (pipeline)"
-        return f"{shape} x {'expert groups' if self.experts else 'groups'} of {self.group}"
+        kind = "groups"
+        if self.experts:
+            kind = "expert groups (attention by heads)" if self.heads else "expert groups (attention whole)"
+        return f"{shape} x {kind} of {self.group}"
 
     def describe(self) -> str:
         figures = (
@@ -121,6 +120,7 @@ class Choice:
     candidates: tuple[Candidate, ...]
     explanation: str
     experts: bool = False  # expert-parallel groups
+    heads: bool = False  # whose members split attention by heads too
     # Per ring stage, its expert map (cluster/experts.py) where `experts`: arrange fills it.
     owners: tuple[list[list[int]], ...] = ()
 
@@ -172,6 +172,10 @@ def estimate(
     kv_layer = model.kv_bytes_per_token_per_layer * tokens * request.sequences
     hidden_bytes = model.hidden_size * 4
     compute = sums = 0.0
+    # An expert group's attention: whole on every member (one sum a MoE layer), or split by heads where it
+    # splits (a sum more a layer, 1/k of its reads and KV): both are costed, the faster is made.
+    heads = mode == EXPERT and _heads_split(model, group)
+    heads_saved = heads_sums = 0.0
     why_not = _refusal(model, group, mode)
     if len(order) < stages * group:
         why_not = f"needs {stages * group} nodes, the cluster has {len(order)}"
@@ -193,6 +197,11 @@ def estimate(
             sums += 2 * (e - s) * per_sum
         elif mode == EXPERT:  # one sum a MoE layer; a dense layer runs whole on every member
             sums += model.moe_layers(s, e) * per_sum
+            attention = sum(
+                model.layer_bytes[i] - model.expert_at(i) - model.shared_at(i) for i in range(s, e)
+            )
+            heads_saved += attention * (1 - 1 / group) / read
+            heads_sums += (e - s) * per_sum
         held = sum(layer_memory(model, i, figures, group) for i in range(s, e))
         kv = kv_layer * (e - s) / (group if mode == TENSOR else 1)  # an expert group's attention is whole
         need = held + kv + request.activation_bytes
@@ -200,10 +209,36 @@ def estimate(
             mine = need + (face_extra if i == 0 else 0)
             if mine > n.available_bytes and not why_not:
                 why_not = f"{n.node_id} offers {n.available_bytes / 1e9:.2f} GB, needs {mine / 1e9:.2f} GB"
+    heads = heads and heads_saved > heads_sums
+    if heads:
+        compute, sums = compute - heads_saved, sums + heads_sums
     hops = stages * (link.one_way(hidden_bytes) + HOP_OVERHEAD_S) if stages > 1 else 0.0
     total = compute + sums + hops
     return Candidate(
-        stages, group, total, compute, sums, hops, fits=not why_not, why_not=why_not, experts=mode == EXPERT
+        stages,
+        group,
+        total,
+        compute,
+        sums,
+        hops,
+        fits=not why_not,
+        why_not=why_not,
+        experts=mode == EXPERT,
+        heads=heads,
+    )
+
+
+def _heads_split(model: ModelFootprint, group: int) -> bool:
+    """Whether an expert group of `group` may split the attention by heads: where a tensor group could."""
+    return bool(model.heads and model.kv_heads) and not model.tensor_split and _splits_heads(model, group)
+
+
+def _splits_heads(model: ModelFootprint, group: int) -> bool:
+    width = model.heads // group * model.head_dim
+    return (
+        model.heads % group == 0
+        and model.kv_heads % group == 0
+        and not (model.quant_group and width % model.quant_group)
     )
 
 
@@ -219,10 +254,12 @@ def _head_work(model: ModelFootprint, s: int, e: int) -> float:
 
 def _why_experts(model: ModelFootprint, best: Candidate) -> str:
     share = expected_max_share(model.experts, model.experts_active, best.group)
+    attention = "its share of the attention heads" if best.heads else "the attention whole"
+    sums = "two sums" if best.heads else "one sum"
     return (
         f"each member holds {model.experts // best.group} of every MoE layer's {model.experts} experts and "
-        f"the attention whole; of a token's {model.experts_active} experts the busiest member reads "
-        f"{share:.0%} on average, at one sum a MoE layer where tensor groups take two a layer"
+        f"{attention}; of a token's {model.experts_active} experts the busiest member reads "
+        f"{share:.0%} on average, at {sums} a MoE layer"
     )
 
 
@@ -243,10 +280,7 @@ def choose(
     options = [base]
     for group in GROUP_SIZES:
         if len(used) % group == 0 and len(used) // group <= model.layers:
-            tensor = estimate(model, used, len(used) // group, group, link, request)
-            if model.experts and tensor.fits:
-                tensor = replace(tensor, fits=False, why_not=MOE_TENSOR_GROUPS)
-            options.append(tensor)
+            options.append(estimate(model, used, len(used) // group, group, link, request))
             if model.experts:
                 options.append(estimate(model, used, len(used) // group, group, link, request, experts=True))
     fitting = [c for c in options[1:] if c.fits]
@@ -260,7 +294,7 @@ def choose(
             why = f"expert groups: {faster}: {_why_experts(model, best)} ({link_text}). Candidates: {listed}"
         else:
             why = f"groups: {faster} ({link_text}). Candidates: {listed}"
-        return Choice(best.stages, best.group, tuple(options), why, experts=best.experts)
+        return Choice(best.stages, best.group, tuple(options), why, experts=best.experts, heads=best.heads)
     if best is None:
         reason = "no group layout fits or splits"
     else:
@@ -311,7 +345,8 @@ def arrange(
         stages = request.max_stages or 1
         c = estimate(model, nodes, stages, forced, link, request, experts=experts)
         if c.fits:
-            choice = Choice(stages, forced, (c,), f"{kind}: asked for; {c.describe()}", experts=experts)
+            why = f"{kind}: asked for; {c.describe()}"
+            choice = Choice(stages, forced, (c,), why, experts=experts, heads=c.heads)
         else:  # a re-placement after a loss may have too few machines: the instance lives on as it can
             fallback = choose(model, nodes, pipeline, link, request)
             why = f"{stages} stage(s) x {kind} of {forced} asked for, not possible: {c.why_not}; "

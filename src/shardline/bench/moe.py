@@ -26,6 +26,7 @@ from typing import Any
 from shardline.bench import tp as tpb
 from shardline.bench.machine import describe
 from shardline.cluster.experts import measured_load
+from shardline.compute.quantized_experts import measure
 from shardline.engine.engine import Engine
 from shardline.models.footprint import footprint_from_dir
 from shardline.models.synth import SynthSpec, weight_sizes
@@ -195,6 +196,16 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
     result["sum_us_p50"], result["sum_us_p99"] = (round(x, 1) for x in sums["decode"])
     result["routing_load_spread"] = _spread(load)
     result["raw"] = {k: round(statistics.median(v), 3) for k, v in raws.items()}
+    # The expert product alone: one decode row through `active` of the experts, the native gathered kernel
+    # against MLX's gather_qmm and the dense kernel on the same bytes (compute/quantized_experts.py).
+    result["gather_kernel"] = measure(
+        experts=spec.experts,
+        k=spec.active,
+        shapes=((spec.hidden, spec.moe_intermediate), (spec.moe_intermediate, spec.hidden)),
+        bits=spec.bits,
+        group_size=spec.group_size,
+        repeat=5 if quick else 50,
+    )
     result["member_faults"] = [
         tpb.detection(model_dir, vocab, action, phase, fault_text, "expert")
         for phase in ("decode", "prefill")
@@ -240,6 +251,9 @@ def report(r: dict) -> str:
         "  prefill tokens/s: "
         + ", ".join(f"{n} {raw[f'{n}_prefill_tps']:.1f}" for n in ("single", "ep2", "tp2"))
     )
+    for shape in r["gather_kernel"].get("shapes", []):
+        rates = ", ".join(f"{op} {shape[f'{op}_gbps']:.1f}" for op in ("native", "mlx", "dense"))
+        lines.append(f"  gather kernel {shape['in']}x{shape['out']}, GB/s: {rates}")
     for f in r["member_faults"]:
         lines.append(
             f"  {f['signal']} of the member in {f['phase']}: detected after {f['detected_s']} s, serving "

@@ -202,6 +202,8 @@ def stub_leader_spec(**overrides: Any) -> SimpleNamespace:
         "layer_end": 1,
         "layer_total": 1,
         "group": 1,
+        "expert_owners": [],
+        "expert_heads": False,
         "kv_budget_bytes": 0,
         "max_waiting": 16,
         "prefill_step": 8,

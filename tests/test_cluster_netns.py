@@ -703,7 +703,7 @@ def test_five_nodes_cut_two_three_the_minority_master_steps_down_and_its_survivo
 
     at = right.view(ready, 60, "the instance ready after healing", len(right.events))
     (rec,) = [r for r in right.events[at]["instances"] if r["instance"] == instance]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # a stale runner's agent stops it; five daemons share two cores here
     while holders() != sorted(rec["stages"]):
         assert time.monotonic() < deadline, f"runners on {holders()}, generation {rec} on {rec['stages']}"
         time.sleep(0.1)  # polling the process table, bounded by the deadline

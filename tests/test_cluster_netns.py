@@ -561,15 +561,19 @@ def test_a_group_members_link_cut_mid_decode_fails_its_stage_within_the_deadline
     assert done["tokens"] == expected, "the request's tokens differ from the reference"
     replaced, rec = wait_replaced(client, instance, generation, cut)
     assert "k2" not in rec["stages"] and rec["recoveries"] >= 1, rec
-    if kind == "expert":  # still one expert group of two (k1 and k3), on the kept map or a valid new one
-        assert rec["layout"].startswith("expert groups") and len(rec["stages"]) == 2, rec
+    after_map: list[list[int]] = []
+    if kind == "expert" and rec["layout"].startswith("expert groups"):
+        # One expert group of two again (k1 and k3), on the kept map or a valid new one.
+        assert len(rec["stages"]) == 2, rec
         after_map = rec["owners"][0]
         assert after_map == first or expert_maps_ok(after_map, 2), rec["owners"]
+    elif kind == "expert":  # k3 not yet counted when the leader re-placed: the instance lives on as it can
+        assert "expert groups of 2 asked for, not possible" in rec["layout"], rec["layout"]
     tokens = [e for e in client.events if e["ev"] == "token" and e.get("tag") == "long"]
     after = [e for e in tokens if e["t"] > t_down]
     assert after, "no token after the cut"
     resumed = after[0]["t"] - t_down
-    kept = "" if kind != "expert" else f"; expert map {'kept' if after_map == first else 'announced anew'}"
+    kept = "" if not after_map else f"; expert map {'kept' if after_map == first else 'announced anew'}"
     print(
         f"\nlink of {kind} group member k2 cut after token 4: re-placed on {rec['stages']} "
         f"ready {client.events[replaced]['t'] - t_down:.2f}s after, next token {resumed:.2f}s after{kept}"

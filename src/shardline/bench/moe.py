@@ -182,14 +182,9 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
         f"{STREAMS} streams of {STREAM_TOKENS} tokens decoding together",
         "targets": TARGETS,
     }
-    result.update({k: round(statistics.median(v), 3) for k, v in ratios.items()})
-    result["ratio_ranges"] = {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}
+    result.update(tpb.ratio_figures(ratios))
     result["moe_outputs_mismatched"] = mismatched
-    result["moe_outputs_compared"] = (
-        f"{len(reference)} prompts x {tpb.CHECK_TOKENS} greedy tokens, ep2 vs single: the first "
-        f"{tpb.CHECK_PROMPTS} of {tpb.CHECK_CANDIDATES} candidates whose every token single decides by a "
-        f"top-2 margin above {tpb.NEAR_TIE}"
-    )
+    result["moe_outputs_compared"] = tpb.compared(reference, "ep2")
     result["moe_logits_max_rel_diff"] = logits_rel
     result["expert_bytes_per_member"] = held
     result["expert_bytes_per_member_vs_half"] = round(max(held) / (experts_total / 2), 3) if held else 0.0

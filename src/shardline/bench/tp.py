@@ -127,6 +127,22 @@ def compare(engine: Engine, reference: list[Greedy]) -> tuple[int, float]:
     return mismatched, worst
 
 
+def ratio_figures(ratios: dict[str, list[float]]) -> dict:
+    """Each ratio's median over the rounds, and their ranges."""
+    out: dict = {k: round(statistics.median(v), 3) for k, v in ratios.items()}
+    out["ratio_ranges"] = {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}
+    return out
+
+
+def compared(reference: list[Greedy], engine: str) -> str:
+    """What `compare` compared, for the report."""
+    return (
+        f"{len(reference)} prompts x {CHECK_TOKENS} greedy tokens, {engine} vs single: the first "
+        f"{CHECK_PROMPTS} of {CHECK_CANDIDATES} candidates whose every token single decides by a top-2 "
+        f"margin above {NEAR_TIE}"
+    )
+
+
 def engine_with(
     model_dir: Path,
     stages: int,
@@ -247,14 +263,9 @@ def run(json_path: Path | None, rounds: int = 2, spec: SynthSpec = BENCH_SPEC, q
         f"stream; prefill: time to first token of a {PROMPT}-token prompt in chunks of {PREFILL_STEP}",
         "targets": TARGETS,
     }
-    result.update({k: round(statistics.median(v), 3) for k, v in ratios.items()})
-    result["ratio_ranges"] = {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()}
+    result.update(ratio_figures(ratios))
     result["tp_outputs_mismatched"] = mismatched
-    result["tp_outputs_compared"] = (
-        f"{len(reference)} prompts x {CHECK_TOKENS} greedy tokens, tp2 vs single: the first "
-        f"{CHECK_PROMPTS} of {CHECK_CANDIDATES} candidates whose every token single decides by a top-2 "
-        f"margin above {NEAR_TIE}"
-    )
+    result["tp_outputs_compared"] = compared(reference, "tp2")
     result["tp_logits_max_rel_diff"] = logits_rel
     result["allreduce_us_p50"], result["allreduce_us_p99"] = (round(x, 1) for x in sums["decode"])
     result["allreduce_chunk_us_p50"], result["allreduce_chunk_us_p99"] = (round(x, 1) for x in sums["chunk"])

@@ -22,9 +22,8 @@ import time
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from shardline.compute.quantized import native, supported
+from shardline.compute.quantized import CpuQuantizedLinear, native, supported
 
 
 def gather_qmm(
@@ -69,7 +68,7 @@ def gather_qmm_mlx(
     )
 
 
-class CpuQuantizedSwitchLinear(nn.Module):
+class CpuQuantizedSwitchLinear(CpuQuantizedLinear):
     """mlx-lm's `QuantizedSwitchLinear` (affine mode) on the native kernel; same parameters under the same
     names, the same call. Shapes are read from the arrays, so a layer holding a subset of the experts, or a
     slice of their rows or columns, works as given; a view (not row-contiguous) is copied at every call, so
@@ -84,27 +83,9 @@ class CpuQuantizedSwitchLinear(nn.Module):
         group_size: int,
         bits: int,
     ) -> None:
-        super().__init__()
-        self.weight = weight
-        self.scales = scales
-        self.biases = biases
-        if bias is not None:
-            self.bias = bias
-        self.group_size = group_size
-        self.bits = bits
+        super().__init__(weight, scales, biases, bias, group_size, bits)
         self.mode = "affine"
         self.freeze()  # as mlx-lm's layer: inference weights
-
-    @classmethod
-    def of(cls, layer: nn.Module) -> CpuQuantizedSwitchLinear:
-        return cls(
-            layer["weight"],
-            layer["scales"],
-            layer["biases"],
-            layer.get("bias"),
-            layer.group_size,
-            layer.bits,
-        )
 
     @property
     def input_dims(self) -> int:

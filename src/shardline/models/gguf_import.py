@@ -36,6 +36,7 @@ from tqdm import tqdm
 from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 from shardline.models.gguf_config import build_config, check_architecture, meta_scalar
 from shardline.models.gguf_quant import GROUP, Form, check_rows, float16_exact, form_for, to_affine
+from shardline.models.gguf_split import SplitGGUF, split_parts
 from shardline.models.gguf_tensors import ROPE_FREQS, dequantize_tensor, hf_name, hf_shape, unpermute_llama_qk
 from shardline.models.gguf_tokenizer import build_tokenizer, tokenizer_config
 from shardline.models.safetensors_stream import write_safetensors
@@ -54,12 +55,14 @@ DEFAULT_WEIGHTS = "quantized"
 _EMBEDDING = "model.embed_tokens.weight"
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF file, mapping I/O and format failures to model errors."""
+def open_gguf(path: Path) -> GGUFReader | SplitGGUF:
+    """Open a GGUF file (any part of a split one: all its parts, as one reader), mapping I/O and format
+    failures to model errors."""
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     try:
-        return GGUFReader(path)
+        parts = split_parts(path)
+        return GGUFReader(path) if len(parts) == 1 else SplitGGUF(parts)
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise CorruptModelError(f"{path}: not a readable GGUF file ({e})") from e
 
@@ -373,7 +376,8 @@ def import_gguf(
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
         _write_json(tmp / IMPORT_INFO_FILE, info)
-    summary = format_summary(table, seconds, gguf_path.stat().st_size, out_bytes)
+    gguf_bytes = reader.nbytes if isinstance(reader, SplitGGUF) else gguf_path.stat().st_size
+    summary = format_summary(table, seconds, gguf_bytes, out_bytes)
     if progress:
         print(summary, file=sys.stderr)
     log.info("imported %s as %s:\n%s", gguf_path.name, weights, summary)

@@ -54,6 +54,7 @@ def write_tiny_gguf(
     ffn: int = 16,
     layers: int = 1,
     qtype: gguf.GGMLQuantizationType | None = None,
+    split_max_tensors: int = 0,
 ) -> dict[str, np.ndarray]:
     """Write a random model (1 layer unless told) as GGUF (the way llama.cpp lays it out); return HF weights.
 
@@ -119,7 +120,8 @@ def write_tiny_gguf(
                 hf[name] = gguf.quants.dequantize(data, qtype).reshape(array.shape)
                 raw[name] = (data, qtype)
 
-    writer = gguf.GGUFWriter(str(path), arch)
+    # split_max_tensors > 0: parts NAME-00001-of-0000N.gguf beside `path`, as gguf-split writes them.
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(layers)
     writer.add_context_length(128)
     writer.add_embedding_length(hidden)

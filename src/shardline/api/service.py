@@ -31,6 +31,7 @@ from shardline.api.text_stream import TextStream
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
 from shardline.cluster.placement import PlacementRequest
+from shardline.compute.constraints import Objects
 from shardline.compute.sampling import SamplingParams
 from shardline.errors import ContextLengthError, EngineError, OverloadError
 from shardline.front.figures import LeaderFigures
@@ -55,6 +56,8 @@ class ApiSettings(BaseModel):
     allowed_hosts: list[str] = []
     auto_place: bool = True  # a request for a model with no instance places one when it fits
     max_pending: int = Field(64, ge=1)  # requests in flight through this node; one more gets 429
+    # Objects in a request's schema that do not say which other keys they take: closed (none) or open.
+    structured_objects: Objects = "closed"
 
 
 class Service:
@@ -92,6 +95,16 @@ class Service:
         if self.settings.auto_place:
             names |= {name for n in view.nodes if n.alive for name in n.models}
         return sorted(names)
+
+    def reference(self, model: str) -> tuple[str, str]:
+        """(name, source) of what a request or a placement names: a model name as the cluster lists it, or a
+        hub repository (`org/name[@revision][:QUANT]`), whose name is the one the download keeps it under and
+        whose source one node downloads it from for everyone. Never a path: this node's files are not the
+        client's to name."""
+        from shardline.models.hub import parse_repo_ref
+
+        ref = parse_repo_ref(model) if "/" in model else None
+        return (ref.model_name, model) if ref is not None else (model, "")
 
     def instance_for(self, model: str) -> cm.InstanceRecord | None:
         """The instance serving `model` (a model name or an instance id), ready ones first."""
@@ -137,7 +150,10 @@ class Service:
     async def target(self, model: str) -> tuple[cm.InstanceRecord, Front, ModelText]:
         if not model:
             raise ApiError(400, "model is required", param="model")
+        model, source = self.reference(model)
         rec = self.instance_for(model)
+        if rec is None and source and self.settings.auto_place and model not in self.model_names():
+            await self._download(model, source)  # raises: the model is on its way, or cannot come
         if rec is None:
             if model not in self.model_names():
                 known = ", ".join(self.model_names()) or "none"
@@ -181,6 +197,21 @@ class Service:
 
             task.add_done_callback(done)
         return await asyncio.shield(task)
+
+    async def _download(self, model: str, source: str) -> None:
+        """A request names a hub model no live node holds: one node starts downloading it for the cluster,
+        and the request is answered at once (503, retry later) rather than held for the minutes it takes."""
+        query = cm.Place(model=model, if_absent=True, source=source, via=self.node_id)
+        try:
+            reply = await asyncio.to_thread(self.client.ask, query)
+        except ClusterError as exc:
+            raise ApiError(503, f"model {source!r} cannot be placed: {exc}", "service_unavailable") from exc
+        if reply.download is None and not reply.ok:
+            raise ApiError(503, f"model {source!r} cannot be placed: {reply.error}", "service_unavailable")
+        if reply.download is not None:
+            raise ApiError(
+                503, f"{reply.error}; retry when it is done", "service_unavailable", "model", retry_after_s=10
+            )
 
     async def _place_once(self, model: str) -> cm.InstanceRecord:
         rec = self.instance_for(model)  # placed meanwhile (by another node's request, or by hand)
@@ -341,6 +372,8 @@ def _context(rec: cm.InstanceRecord, text: ModelText) -> int:
 
 
 def _prompt_param(endpoint: str) -> str:
+    if endpoint == "responses":
+        return "input"
     return "prompt" if endpoint in ("completions", "ollama_generate") else "messages"
 
 

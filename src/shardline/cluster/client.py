@@ -31,6 +31,8 @@ from shardline.trust.credentials import Credentials
 from shardline.trust.refusals import refuse
 from shardline.trust.seal import Checker
 
+DOWNLOAD_STALL_S = 120.0  # a download whose bytes stop this long is given up (its size never bounds it)
+
 
 class ClusterError(EngineError):
     """The cluster refused or could not do what was asked; the message says why (with numbers)."""
@@ -140,12 +142,70 @@ class ClusterClient:
             self.wait(lambda v: True, max(0.1, min(1.0, deadline - time.monotonic())), "a master")
 
     def place(
-        self, model: str, request: PlacementRequest | None = None, dry_run: bool = False
+        self,
+        model: str,
+        request: PlacementRequest | None = None,
+        dry_run: bool = False,
+        *,
+        source: str = "",
+        via: str = "",
+        on_download: Callable[[cm.Download, cm.DownloadProgress | None], None] | None = None,
+        stall_s: float = DOWNLOAD_STALL_S,
     ) -> cm.MasterReply:
-        return self._command(
-            lambda: cm.Place(model=model, request=request or PlacementRequest(), dry_run=dry_run),
-            f"{model!r} is not a model name (letters, digits, '.', '_', '-')",
-        )
+        """Place `model`. With `source`, a model no live node holds is downloaded first, by one node for the
+        whole cluster: this waits for it (as long as its bytes keep coming, `stall_s` at most without
+        progress), telling `on_download` how far it got, then places it."""
+        while True:
+            reply = self._command(
+                lambda: cm.Place(
+                    model=model,
+                    request=request or PlacementRequest(),
+                    dry_run=dry_run,
+                    source=source,
+                    via=via,
+                ),
+                f"{model!r} is not a model name (letters, digits, '.', '_', '-')",
+                pending_ok=True,
+            )
+            if reply.download is None:
+                return reply
+            self._await_download(reply.download, on_download, stall_s)
+
+    def _await_download(
+        self,
+        d: cm.Download,
+        on_download: Callable[[cm.Download, cm.DownloadProgress | None], None] | None,
+        stall_s: float,
+    ) -> None:
+        """Until the view no longer lists the download (the model is held: place it) or its node says it
+        failed (ClusterError with its reason); a download whose bytes stop for stall_s is given up."""
+        last: tuple[int, str] | None = None
+        moved = time.monotonic()
+        while True:
+            view = self.wait(lambda v: True, 30.0, "a view")
+            current = next((x for x in view.downloads if x.model == d.model), None)
+            if current is None:
+                return
+            node = next((n for n in view.nodes if n.node_id == current.node_id), None)
+            p = node.downloads.get(d.model) if node is not None else None
+            if p is not None and p.source != current.source:
+                p = None
+            if on_download is not None:
+                on_download(current, p)
+            if p is not None and p.phase == "failed":
+                what = f"downloading {current.source} on node {current.node_id}"
+                raise ClusterError(f"{what} failed: {p.error}")
+            mark = (p.done_bytes, p.phase) if p is not None else None
+            if mark != last:
+                last, moved = mark, time.monotonic()
+            elif time.monotonic() - moved > stall_s:
+                what = f"downloading {current.source} on node {current.node_id}"
+                raise ClusterError(f"{what} made no progress for {stall_s:.0f}s")
+            seq = (view.term, view.seq)
+            try:  # the master publishes a view at least every VIEW_PERIOD_S; a quiet spell just loops
+                self.wait(lambda v, seq=seq: (v.term, v.seq) != seq, 2.0, "a newer view")
+            except ClusterError:
+                pass
 
     def remove(self, instance: str) -> None:
         self._command(lambda: cm.Remove(instance=instance), f"{instance!r} is not an instance id")
@@ -154,14 +214,16 @@ class ClusterClient:
         """Remove a member that died from the agreed membership (it no longer counts against the quorum)."""
         self._command(lambda: cm.Forget(node=node), f"{node!r} is not a node id")
 
-    def _command(self, make: Callable[[], Any], invalid: str) -> cm.MasterReply:
+    def _command(self, make: Callable[[], Any], invalid: str, pending_ok: bool = False) -> cm.MasterReply:
         """Ask the master what `make` builds; ClusterError saying `invalid` when it cannot be built, or the
-        master's own error when it refuses."""
+        master's own error when it refuses (a download it waits on is no refusal, with `pending_ok`)."""
         try:
             query = make()
         except ValidationError as exc:
             raise ClusterError(invalid) from exc
         reply = self.ask(query)
+        if pending_ok and reply.download is not None:
+            return reply
         if not reply.ok:
             raise ClusterError(reply.error)
         return reply

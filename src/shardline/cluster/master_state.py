@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardline.cluster import facts
+from shardline.cluster import downloads, facts
 from shardline.cluster import messages as cm
 from shardline.cluster import state as cs
 from shardline.cluster.layouts import arranged, holds_stages
@@ -179,11 +179,16 @@ class MasterState:
     dirty: bool = False
     last_view: float = -1e9
     seq: int = 0  # views published by this master
+    downloads: Mapping[str, cm.Download] = field(default_factory=dict)  # model -> who downloads it
 
 
 def initial(config: MasterConfig, term: int, snap: Snapshot) -> MasterState:
     records = {r.instance: r for r in snap.cluster.instances() if r.phase != "failed"}
-    return MasterState(config=config, term=term, started=snap.now, snapshot=snap, records=records)
+    last = snap.cluster.view
+    downloads = {d.model: d for d in last.downloads} if last is not None else {}  # the nodes keep going
+    return MasterState(
+        config=config, term=term, started=snap.now, snapshot=snap, records=records, downloads=downloads
+    )
 
 
 def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Effect]]:
@@ -214,6 +219,8 @@ def apply(state: MasterState, event: Event) -> tuple[MasterState, list[Effect]]:
 def _seen(state: MasterState, event: Seen) -> tuple[MasterState, list[Effect]]:
     snap = event.snapshot
     state = replace(state, snapshot=snap)
+    if state.downloads and (settled := downloads.settle(state.downloads, snap.cluster)) != state.downloads:
+        state = replace(state, downloads=settled, dirty=True)
     out: list[Effect] = []
     if not state.rebuilt and snap.now - state.started >= state.config.report_s * 2:
         state, out = _rebuild(state)  # one report period (and a margin) after the claim: all reported
@@ -306,6 +313,8 @@ def _place(
         return state, cm.MasterReply(ok=True, instance=rec, term=state.term), []
     snap = state.snapshot.cluster
     fp = facts.footprint(snap, q.model)
+    if fp is None and q.source and not q.dry_run:
+        return _download(state, q, at)
     if fp is None:
         error = f"model {q.model!r} is on no live node"
         return state, cm.MasterReply(ok=False, error=error, term=state.term), []
@@ -347,6 +356,22 @@ def _place(
         Log(cm.ClusterEvent(at=at, kind="placed", instance=instance, message=_describe(placement))),
     ]
     return state, cm.MasterReply(ok=True, placement=placement, instance=rec, term=state.term), out
+
+
+def _download(state: MasterState, q: cm.Place, at: float) -> tuple[MasterState, cm.MasterReply, list[Effect]]:
+    """No live node holds the model: one node downloads it for everyone; the client asks again after."""
+    snap = state.snapshot.cluster
+    held, d = downloads.ask(state.downloads, snap, q.model, q.source, q.via, at)
+    state = replace(state, downloads=held, dirty=True)
+    if d is None:
+        error = f"model {q.model!r} is on no live node, and no live node may download it"
+        return state, cm.MasterReply(ok=False, error=error, term=state.term), []
+    out: list[Effect] = []
+    if d.since == at:  # asked now, not a running one
+        message = f"{q.model} from {d.source}"
+        out.append(Log(cm.ClusterEvent(at=at, kind="download", node=d.node_id, message=message)))
+    reply = cm.MasterReply(ok=False, error=downloads.waiting_reason(snap, d), download=d, term=state.term)
+    return state, reply, out
 
 
 # ---- controllers' updates ------------------------------------------------------------------------------
@@ -404,6 +429,7 @@ def view(state: MasterState) -> cm.ClusterView:
             models=sorted(r.models),
             api=r.api,
             leaving=r.leaving,
+            downloads=r.downloads,
         )
         for n, r in sorted(st.reports.items())
     ]
@@ -420,6 +446,7 @@ def view(state: MasterState) -> cm.ClusterView:
         instances=list(state.records.values()),
         events=list(st.events)[-EVENTS_IN_VIEW:],
         membership=st.membership,
+        downloads=list(state.downloads.values()),
     )
 
 

@@ -29,6 +29,7 @@ class Resources(Wire):
     device: str
     cpus: int
     read_gbps: float = 0.0  # memory read bandwidth, measured at start (what a decode step's weights cost)
+    disk_free: int = 0  # bytes free where the node keeps its models (who downloads a model none holds)
 
 
 class LinkFact(Wire):
@@ -49,6 +50,16 @@ class LocalModel(Wire):
     # against; "" while a whole model is still being hashed. Short: the per-file digests stay on the node.
     digest: str = ""
     imported_at: float = 0.0  # a whole model: when its digests were recorded (for people: it decides nothing)
+
+
+class DownloadProgress(Wire):
+    """A model this node downloads for the cluster (the master asked it: ClusterView.downloads)."""
+
+    source: str  # the reference it downloads (a hub repository, org/name[@revision][:QUANT])
+    phase: Literal["downloading", "importing", "done", "failed"]
+    done_bytes: int = 0
+    total_bytes: int = 0  # 0 while unknown
+    error: str = ""  # failed: why, in one line
 
 
 class RunnerInfo(Wire):
@@ -79,6 +90,7 @@ class NodeReport(Wire):
     instances: list[InstanceRecord] = []  # as of the newest view it saw: nothing lives only in the master
     notices: list[ClusterEvent] = []  # its newest own events (a weight source refused): every node folds them
     links: dict[str, LinkFact] = {}  # peer node -> its measured link to it (placement's tensor parallelism)
+    downloads: dict[str, DownloadProgress] = {}  # model name -> this node's download of it for the cluster
 
 
 # ---- master -> everyone: the cluster as the master sees it -------------------------------------------------
@@ -137,12 +149,23 @@ class NodeSummary(Wire):
     api: str = ""
     leaving: bool = False  # shutting down: its instances are being moved
     left_at: float | None = None  # not alive: when it was last seen (wall clock)
+    downloads: dict[str, DownloadProgress] = {}  # as its report says (the dashboard's progress bars)
 
 
 class ClusterEvent(Wire):
     at: float  # wall clock
     kind: Literal[
-        "join", "leave", "master", "placed", "ready", "failure", "recovered", "failed", "removed", "weights"
+        "join",
+        "leave",
+        "master",
+        "placed",
+        "ready",
+        "failure",
+        "recovered",
+        "failed",
+        "removed",
+        "weights",
+        "download",
     ]
     node: str = ""
     instance: str = ""
@@ -165,6 +188,16 @@ class Membership(Wire):
         return (self.term, self.version)
 
 
+class Download(Wire):
+    """The master's word that one node downloads `model` from `source` for the whole cluster: the others
+    copy its stages from that node (cluster/weights), never from the hub."""
+
+    model: str
+    source: str
+    node_id: str
+    since: float  # wall clock, when it was asked
+
+
 class ClusterView(Wire):
     kind: Literal["view"] = "view"
     term: int
@@ -174,6 +207,7 @@ class ClusterView(Wire):
     nodes: list[NodeSummary] = []
     instances: list[InstanceRecord] = []
     events: list[ClusterEvent] = []  # the newest few, oldest first
+    downloads: list[Download] = []  # models being downloaded for the cluster, one node each
 
 
 ReportMessage = Annotated[NodeReport | ClusterView, Field(discriminator="kind")]
@@ -217,6 +251,10 @@ class Place(Wire):
     # requests through different nodes may ask for the same model at once).
     if_absent: bool = False
     nonce: str = ""  # the same query sent again (a retry) is answered once
+    # Where the model comes from when no live node holds it (a hub reference, models/hub.py): one node
+    # downloads it for everyone. "" : placed only from the copies nodes hold.
+    source: str = Field("", max_length=512)
+    via: str = ""  # the node the client asked through: it downloads, when it has the room
 
 
 class Remove(Wire):
@@ -246,6 +284,7 @@ class MasterReply(Wire):
     instance: InstanceRecord | None = None
     runners: list[StageRecord] = []  # what would be launched: the placement's stages, or its groups
     layout: str = ""  # pipeline or groups, and why
+    download: Download | None = None  # not placed yet: this download must end first (then ask again)
 
 
 NodeReport.model_rebuild()

@@ -37,6 +37,7 @@ from shardline.dataplane.transport import Link, open_session
 from shardline.models.store.manifest import record_imports
 from shardline.node.agent import NodeAgent
 from shardline.node.config import NodeConfig, concrete_endpoint
+from shardline.node.downloads import Downloads
 from shardline.node.durable import ELECTION_FILE, load_election, save_election
 from shardline.node.holdings import LocalModels
 from shardline.node.resources import compute_score, device_kind, node_identity, read_bandwidth, resources
@@ -84,6 +85,7 @@ class Node:
         self._closed = threading.Event()
         self._leaving = False
         self.local_models = LocalModels(self.models_root)
+        self.downloads = Downloads(self.node_id, self.models_root, self.local_models.rescan)
         self._fetching: dict[tuple[str, int], tuple[int, int]] = {}
         self._notices: deque[cm.ClusterEvent] = deque(maxlen=NOTICES_KEPT)
         self._met_at: float | None = None  # monotonic: when a link to a named peer was first up
@@ -329,8 +331,11 @@ class Node:
             posted = [e.event for e in all_events if isinstance(e, Posted) and e.master is self.master]
             self.master.step(posted, self._snapshot, bool(happened) or reconfigured)
         view = state.view
-        if view is not None and self.agent is not None and any(isinstance(e, cs.ViewIn) for e in events):
-            self._fence(view)
+        if view is not None and any(isinstance(e, cs.ViewIn) for e in events):
+            if self.agent is not None:
+                self._fence(view)
+            if self.config.holds_stages:
+                self.downloads.follow(view)
 
     def _snapshot(self) -> ms.Snapshot:
         return ms.snapshot(self.state, time.monotonic(), time.time())
@@ -455,7 +460,9 @@ class Node:
             holds_stages=self.config.holds_stages,
             api=self.api.url if self.api is not None else "",
             leaving=self._leaving,
-            resources=resources(self.score, self.device, self.config.memory_limit, held, self.read_gbps),
+            resources=resources(
+                self.score, self.device, self.config.memory_limit, held, self.read_gbps, self.models_root
+            ),
             models=self.local_models.get() if self.config.holds_stages else {},
             runners=self.runner_infos(),
             term=term,
@@ -464,6 +471,7 @@ class Node:
             instances=instances,
             notices=notices,
             links=self.links.snapshot(),
+            downloads=self.downloads.progress(),
         )
 
     def _live_peers(self) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import time
 import uuid
@@ -93,9 +94,15 @@ def device_kind() -> str:
 
 
 def resources(
-    score: float, device: str, memory_limit: int | None, held_bytes: int, read_gbps: float = 0.0
+    score: float,
+    device: str,
+    memory_limit: int | None,
+    held_bytes: int,
+    read_gbps: float = 0.0,
+    models_root: Path | None = None,
 ) -> Resources:
-    """held_bytes: memory this node's runners hold now; placement sees what is left of the limit."""
+    """held_bytes: memory this node's runners hold now; placement sees what is left of the limit.
+    models_root: where the node keeps models (its free disk decides who downloads a model none holds)."""
     vm = psutil.virtual_memory()
     available = vm.available if memory_limit is None else max(0, min(vm.available, memory_limit - held_bytes))
     return Resources(
@@ -106,4 +113,15 @@ def resources(
         device=device,
         cpus=os.cpu_count() or 1,
         read_gbps=read_gbps,
+        disk_free=_disk_free(models_root) if models_root is not None else 0,
     )
+
+
+def _disk_free(path: Path) -> int:
+    """Free bytes on the file system that holds `path` (or its nearest existing parent)."""
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0

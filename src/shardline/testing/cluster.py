@@ -152,6 +152,8 @@ class LocalCluster:
     models_dir: Path
     extra: list[str] = field(default_factory=list)
     node_extra: dict[str, list[str]] = field(default_factory=dict)  # flags of one node only
+    node_env_extra: dict[str, dict[str, str]] = field(default_factory=dict)  # environment of one node only
+    node_models: dict[str, Path] = field(default_factory=dict)  # a models directory of one node's own
     # node id -> what runs it instead of `-m shardline` (a test-only launcher: tests/tampering_node.py)
     launchers: dict[str, list[str]] = field(default_factory=dict)
     runners: dict = field(default_factory=lambda: dict(FAST_RUNNERS))
@@ -200,9 +202,9 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         for i, (node_id, n) in enumerate(self.nodes.items()):
-            n.argv = self.argv(node_id, n.endpoint, self._peers[node_id])
+            n.argv = self.argv(node_id, n.endpoint, self._peers[node_id], self.node_models.get(node_id))
             n.argv += self.node_extra.get(node_id, [])
-            n.env = self.node_env(self.key)
+            n.env = {**self.node_env(self.key), **self.node_env_extra.get(node_id, {})}
             n.start()
             if i == 0:
                 # The others join a node that is up: on a loaded machine a late first node (the lowest id,

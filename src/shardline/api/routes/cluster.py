@@ -177,12 +177,18 @@ def router(service: Service) -> APIRouter:
         responses=error_responses("openai", 400, 401, 404, 409, 503),
     )
     async def place(body: PlaceBody) -> InstanceState:
-        _known(service, body.model)
+        """Place a model: a name the cluster lists, or a hub repository no node holds yet, which one node
+        downloads for everyone first (this answers once it is placed; /state shows the download meanwhile)."""
+        name, source = service.reference(body.model)
+        if not source:
+            _known(service, name)
         req = PlacementRequest(
             sequences=body.sequences, reserve_tokens=body.reserve_tokens, max_stages=body.max_stages
         )
         try:
-            reply = await asyncio.to_thread(service.client.place, body.model, req)
+            reply = await asyncio.to_thread(
+                lambda: service.client.place(name, req, source=source, via=service.node_id)
+            )
         except ClusterError as exc:
             raise ApiError(409, f"model {body.model!r} cannot be placed: {exc}", "placement_error") from exc
         assert reply.instance is not None

@@ -12,14 +12,15 @@ from typing import Any
 from shardline.api.errors import bad_request
 from shardline.api.limits import MAX_BIAS, MAX_LOGIT_BIAS, check_schema
 from shardline.api.limits import MAX_SCHEMA_CHARS as MAX_SCHEMA_CHARS  # bench chaos reads it here
-from shardline.compute.constraints import Constraint, any_json_object, json_schema, problem
+from shardline.compute.constraints import Constraint, Objects, any_json_object, json_schema, problem
 
 PARAM = "response_format"
 TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical decimal: one spelling per token id
 
 
-def constraint_of(fmt: dict[str, Any] | None) -> Constraint | None:
-    """OpenAI's response_format: text (none), json_object (any object) or json_schema (that schema)."""
+def constraint_of(fmt: dict[str, Any] | None, objects: Objects = "closed") -> Constraint | None:
+    """OpenAI's response_format: text (none), json_object (any object) or json_schema (that schema, its
+    objects `closed` or `open`: constraints.Objects)."""
     if fmt is None:
         return None
     kind = fmt.get("type", "text")
@@ -42,7 +43,7 @@ def constraint_of(fmt: dict[str, Any] | None) -> Constraint | None:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict | bool):
         raise bad_request("response_format.json_schema.schema must be a JSON schema object", PARAM)
-    c = json_schema(schema, ())
+    c = json_schema(schema, (), objects)
     check_schema(len(c.source), PARAM)
     return c
 

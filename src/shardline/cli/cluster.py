@@ -144,6 +144,7 @@ def api_settings(args: argparse.Namespace) -> Any:
         allowed_hosts=args.allowed_host or [],
         auto_place=not args.no_auto_place,
         max_pending=args.max_pending,
+        structured_objects=args.structured_objects,
     )
 
 
@@ -345,6 +346,12 @@ def add_node(sub: Any) -> None:
     )
     node.add_argument("--no-auto-place", action="store_true", help="never place a model a request names")
     node.add_argument("--max-pending", type=int, default=64, help="HTTP requests in flight before 429")
+    node.add_argument(
+        "--structured-objects",
+        choices=["closed", "open"],
+        default="closed",
+        help="schema objects that do not say which other keys they take: closed (none, the default) or open",
+    )
     node.add_argument("--no-api", action="store_true", help="serve no HTTP API")
     node.set_defaults(func=cmd_node)
 

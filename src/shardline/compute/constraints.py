@@ -30,6 +30,12 @@ log = logging.getLogger("shardline.constraints")
 # Compact JSON, one fixed separator each: a small model given free whitespace can fill max_tokens with it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+# Whether an object schema that does not say which other keys it takes takes none (closed, as xgrammar's
+# strict mode and OpenAI's strict schemas have it) or any (open, JSON Schema's own default). Open, a small
+# model adds keys until max_tokens; closed, it writes the keys the schema names and stops.
+Objects = Literal["closed", "open"]
+OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")  # a schema's own say
+
 
 class Constraint(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -39,13 +45,107 @@ class Constraint(BaseModel):
     end: tuple[int, ...]  # tokens that end the output: allowed only once the grammar accepts
 
 
-def json_schema(schema: dict[str, Any] | bool, end: Iterable[int]) -> Constraint:
+def json_schema(schema: dict[str, Any] | bool, end: Iterable[int], objects: Objects = "closed") -> Constraint:
     # The key order is kept: properties come out in the order the schema lists them.
+    if objects == "closed":
+        schema = closed_objects(schema)
     return Constraint(kind="json_schema", source=json.dumps(schema), end=tuple(end))
 
 
 def any_json_object(end: Iterable[int]) -> Constraint:
     return json_schema({"type": "object"}, end)
+
+
+# ---- objects closed by default ---------------------------------------------------------------------------
+
+_DEFS = ("$defs", "definitions")
+_NAMED = ("properties", "patternProperties", *_DEFS)  # maps of name -> schema
+_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems", "contains")  # a schema
+_MANY = ("prefixItems", "items", "anyOf", "oneOf", "allOf")  # lists of schemas
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that names its keys (`properties`) and says nothing of others
+    (additionalProperties, patternProperties, unevaluatedProperties) closed: `additionalProperties: false`,
+    keys it requires without describing them named too. A copy; the schema passed is left as it is.
+
+    Objects assembled from several schemas (allOf, or `properties` beside anyOf/oneOf/$ref) are left as
+    written, and so are the definitions such an assembly refers to: the keys of one part are extra keys
+    to another, so closing each part would refuse the whole. `not`, if/then/else and the like are left
+    too (closing under `not` would open)."""
+    if not isinstance(schema, dict):
+        return schema
+    return _close(schema, _assembled_refs(schema), closable=True)
+
+
+def _assembling(s: dict[str, Any]) -> bool:
+    """Whether s is the intersection of its own keywords with other schemas' (its members or its ref)."""
+    beside = any(k in s for k in ("anyOf", "oneOf", "$ref"))
+    return "allOf" in s or (beside and isinstance(s.get("properties"), dict))
+
+
+def _parts(s: dict[str, Any]) -> list[Any]:
+    """The schemas an assembly intersects with its own keywords."""
+    parts: list[Any] = [{"$ref": s["$ref"]}] if "$ref" in s else []
+    for key in ("allOf", "anyOf", "oneOf"):
+        if isinstance(s.get(key), list):
+            parts += s[key]
+    return parts
+
+
+def _subschemas(s: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for key, value in s.items():
+        if key in _NAMED and isinstance(value, dict):
+            out += value.values()
+        elif (key in _ONE and isinstance(value, dict)) or (key in _MANY and isinstance(value, list)):
+            out += [value] if isinstance(value, dict) else value
+    return out
+
+
+def _assembled_refs(root: dict[str, Any]) -> set[str]:
+    """The definitions (`#/$defs/NAME`, `#/definitions/NAME`) that some assembly refers to directly."""
+    refs: set[str] = set()
+    stack: list[Any] = [root]
+    while stack:
+        s = stack.pop()
+        if not isinstance(s, dict):
+            continue
+        if _assembling(s):
+            refs |= {p["$ref"] for p in _parts(s) if isinstance(p, dict) and isinstance(p.get("$ref"), str)}
+        stack += _subschemas(s)
+    return refs
+
+
+def _close(s: Any, assembled: set[str], closable: bool) -> Any:
+    if not isinstance(s, dict):
+        return s
+    whole = not _assembling(s)
+    out: dict[str, Any] = {}
+    for key, value in s.items():
+        if key in _NAMED and isinstance(value, dict):
+            prefix = f"#/{key}/" if key in _DEFS else None
+            out[key] = {
+                name: _close(sub, assembled, prefix is None or prefix + name not in assembled)
+                for name, sub in value.items()
+            }
+        elif key in _ONE and isinstance(value, dict):
+            out[key] = _close(value, assembled, True)
+        elif key in _MANY and isinstance(value, list):
+            # an assembly's parts are not whole objects; array items always are
+            members = whole or key in ("prefixItems", "items")
+            out[key] = [_close(sub, assembled, members) for sub in value]
+        else:
+            out[key] = value
+    props = out.get("properties")
+    if closable and whole and isinstance(props, dict) and not any(k in out for k in OPENERS):
+        required = out.get("required")
+        required = required if isinstance(required, list) else []
+        named = [r for r in required if isinstance(r, str) and r not in props]
+        if named:
+            out["properties"] = {**props, **dict.fromkeys(named, True)}
+        out["additionalProperties"] = False
+    return out
 
 
 def grammar_of(c: Constraint) -> str:

@@ -201,7 +201,8 @@ def router(service: Service) -> APIRouter:
             chat.append({"role": "system", "content": system})
         chat += chat_messages(req.messages)
         tools = plan.tools if plan is not None and calling else ()
-        constraint = await asyncio.to_thread(checked, plan_constraint(plan, None), "tools")
+        constraint = plan_constraint(plan, None, service.settings.structured_objects)
+        constraint = await asyncio.to_thread(checked, constraint, "tools")
         sampling = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=req.top_p or 1.0,

@@ -24,7 +24,7 @@ from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_NDJSON, ndjson, stream_response, whole
 from shardline.api.tools.calls import CallEnd, CallStream, TextPiece, calls_in
 from shardline.api.tools.prompt import ToolPlan, history_call, openai_tools, plan_constraint
-from shardline.compute.constraints import Constraint, any_json_object, json_schema
+from shardline.compute.constraints import Constraint, Objects, any_json_object, json_schema
 from shardline.compute.sampling import SamplingParams
 
 ERRORS = error_responses("ollama", 400, 401, 403, 404, 429, 503)
@@ -200,14 +200,14 @@ def model_name(service: Service, name: str) -> str:
     return name
 
 
-def format_of(fmt: str | dict[str, Any] | None) -> Constraint | None:
+def format_of(fmt: str | dict[str, Any] | None, objects: Objects = "closed") -> Constraint | None:
     """Ollama's `format`: "json" (any JSON object) or a JSON schema."""
     if fmt in (None, ""):
         return None
     if fmt == "json":
         return any_json_object(())
     if isinstance(fmt, dict):
-        return json_schema(fmt, ())
+        return json_schema(fmt, (), objects)
     raise bad_request(f'format must be "json" or a JSON schema, not {fmt!r}', "format")
 
 
@@ -263,7 +263,8 @@ def router(service: Service) -> APIRouter:
         check_tools(req.tools)
         tools = openai_tools(req.tools)
         plan = ToolPlan(tools) if tools else None  # Ollama has no tool_choice: the model decides
-        constraint = plan_constraint(plan, format_of(req.format))
+        objects = service.settings.structured_objects
+        constraint = plan_constraint(plan, format_of(req.format, objects), objects)
         constraint = await asyncio.to_thread(checked, constraint, "tools" if plan else "format")
         sampling = sampling.model_copy(update={"constraint": constraint})
         messages = _messages(req.messages)
@@ -283,7 +284,8 @@ def router(service: Service) -> APIRouter:
         if req.images:
             raise unsupported("images", "images")
         sampling, limit, stops = _sampling(req.options)
-        constraint = await asyncio.to_thread(checked, format_of(req.format), "format")
+        constraint = format_of(req.format, service.settings.structured_objects)
+        constraint = await asyncio.to_thread(checked, constraint, "format")
         sampling = sampling.model_copy(update={"constraint": constraint})
         model = model_name(service, req.model)
         if not req.prompt:

@@ -38,6 +38,7 @@ from shardline.api.stops import checked_stops
 from shardline.api.streaming import STREAMED_SSE, ActiveGroup, merged, sse, stream_response, whole_all
 from shardline.api.tools.calls import ArgsPiece, CallStart, CallStream, Event, TextPiece, call_id, calls_in
 from shardline.api.tools.prompt import ToolPlan, history_call, openai_plan, openai_tools, plan_constraint
+from shardline.compute.constraints import Objects
 from shardline.compute.sampling import SamplingParams
 from shardline.front.request import Token
 
@@ -54,7 +55,7 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def sampling_of(req: Sampling, top_logprobs: int = 0) -> SamplingParams:
+def sampling_of(req: Sampling, top_logprobs: int = 0, objects: Objects = "closed") -> SamplingParams:
     """The settings of the request's first choice (see choice_sampling for the others); its constraint is
     parsed here and compiled by `checked`."""
     fields: dict[str, Any] = {
@@ -67,7 +68,7 @@ def sampling_of(req: Sampling, top_logprobs: int = 0) -> SamplingParams:
         "frequency_penalty": req.frequency_penalty or 0.0,
         "top_logprobs": top_logprobs,
         "logit_bias": logit_bias_of(req.logit_bias),
-        "constraint": constraint_of(req.response_format),
+        "constraint": constraint_of(req.response_format, objects),
     }
     if req.seed is not None:
         fields["seed"] = req.seed % (2**63)
@@ -272,11 +273,13 @@ def router(service: Service) -> APIRouter:
     async def chat_completions(req: ChatRequest, request: Request) -> Any:
         _check_chat(req)
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        sampling = sampling_of(req, top)
+        sampling = sampling_of(req, top, service.settings.structured_objects)
         plan = chat_plan(req)
         calling = plan is not None and plan.calling
         if calling:
-            sampling = sampling.model_copy(update={"constraint": plan_constraint(plan, sampling.constraint)})
+            objects = service.settings.structured_objects
+            constraint = plan_constraint(plan, sampling.constraint, objects)
+            sampling = sampling.model_copy(update={"constraint": constraint})
         stops = _stops(req.stop)
         messages = chat_messages(req.messages)
         tools = plan.tools if calling and plan is not None else ()
@@ -330,7 +333,7 @@ def router(service: Service) -> APIRouter:
         if req.best_of not in (None, 1):
             raise unsupported("best_of", "best_of > 1")
         prompt = _completion_prompt(req)
-        sampling = sampling_of(req, req.logprobs or 0)
+        sampling = sampling_of(req, req.logprobs or 0, service.settings.structured_objects)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default for completions
         actives = await start_choices(
             service,

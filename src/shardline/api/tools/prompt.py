@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from shardline.api.errors import bad_request
-from shardline.compute.constraints import JSON_OPTIONS, Constraint
+from shardline.compute.constraints import JSON_OPTIONS, Constraint, Objects, closed_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule; it also keeps names out of the grammar's way
@@ -126,11 +126,17 @@ def named(tools: tuple[Tool, ...], name: str, parallel: bool, param: str) -> Too
 # ---- the grammar of an answer ------------------------------------------------------------------------------
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
-    """One call's JSON: the name first, then the arguments its schema validates."""
+def call_schema(tool: Tool, objects: Objects = "closed") -> dict[str, Any]:
+    """One call's JSON: the name first, then the arguments its schema validates.
+
+    The arguments' schema is a resource of its own (an `$id`), so that its references (`#/$defs/...`,
+    as pydantic writes nested models) resolve in it, not in this wrapper."""
+    arguments = closed_objects(tool.parameters) if objects == "closed" else tool.parameters
+    if "$id" not in arguments:
+        arguments = {"$id": f"urn:shardline:tool:{tool.name}", **arguments}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -142,15 +148,17 @@ def _json_rule(schema: Any) -> str:
     return f"%json {json.dumps({**body, 'x-guidance': JSON_OPTIONS})}"
 
 
-def plan_constraint(plan: ToolPlan | None, text: Constraint | None) -> Constraint | None:
+def plan_constraint(
+    plan: ToolPlan | None, text: Constraint | None, objects: Objects = "closed"
+) -> Constraint | None:
     """The answer's grammar (a Lark grammar for llguidance): under `required` one call (or several when
-    parallel) of the allowed tools, each valid against its parameters; under `auto` that or text, where
-    text is anything that does not begin with the wrapper, or JSON of `text`'s schema when given.
-    None (no tools to call) leaves `text` as it is."""
+    parallel) of the allowed tools, each valid against its parameters (their objects `closed` or `open`:
+    constraints.Objects); under `auto` that or text, where text is anything that does not begin with the
+    wrapper, or JSON of `text`'s schema when given. None (no tools to call) leaves `text` as it is."""
     if plan is None or not plan.calling:
         return text
     calls = ["calls: call", 'calls: call ("\\n" call)*'][plan.parallel]
-    schema = {"anyOf": [call_schema(t) for t in plan.allowed]}
+    schema = {"anyOf": [call_schema(t, objects) for t in plan.allowed]}
     rules = [calls, f'call: "{OPEN}\\n" body "\\n{CLOSE}"', f"body: {_json_rule(schema)}"]
     if plan.mode == "required":
         rules.insert(0, "start: calls")

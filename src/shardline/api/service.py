@@ -28,6 +28,7 @@ from shardline.api.events import Events
 from shardline.api.metrics import Metrics
 from shardline.api.model_text import ModelText, load_model_text
 from shardline.api.text_stream import TextStream
+from shardline.cluster import downloads
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterClient, ClusterError
 from shardline.cluster.placement import PlacementRequest
@@ -97,14 +98,9 @@ class Service:
         return sorted(names)
 
     def reference(self, model: str) -> tuple[str, str]:
-        """(name, source) of what a request or a placement names: a model name as the cluster lists it, or a
-        hub repository (`org/name[@revision][:QUANT]`), whose name is the one the download keeps it under and
-        whose source one node downloads it from for everyone. Never a path: this node's files are not the
-        client's to name."""
-        from shardline.models.hub import parse_repo_ref
-
-        ref = parse_repo_ref(model) if "/" in model else None
-        return (ref.model_name, model) if ref is not None else (model, "")
+        """(name, source) of what a request or a placement names (cluster/downloads.py `named`). Never a
+        path: this node's files are not the client's to name."""
+        return downloads.named(model)
 
     def instance_for(self, model: str) -> cm.InstanceRecord | None:
         """The instance serving `model` (a model name or an instance id), ready ones first."""

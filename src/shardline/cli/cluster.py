@@ -148,6 +148,35 @@ def api_settings(args: argparse.Namespace) -> Any:
     )
 
 
+def placed_name(model: str) -> tuple[str, str]:
+    """(name, source) to place: a hub repository (one node downloads it for the cluster), a local GGUF file
+    or model directory (imported into this machine's model cache, whose node serves it by name), or a name."""
+    from shardline.cluster.downloads import named
+    from shardline.models.registry import cache_dir, resolve_model
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        return named(model)
+    local = resolve_model(path)
+    if local.parent != cache_dir().resolve():
+        raise CliError(
+            f"{model} is a model directory outside the model cache, which nodes do not serve: "
+            "copy it into the models directory of a node (or give a GGUF file, which is imported there)"
+        )
+    return local.name, ""
+
+
+def show_download(d: Any, p: Any) -> None:
+    """One line, rewritten in place, while a node downloads the model for the cluster."""
+    if p is None:
+        what = "starting"
+    elif p.total_bytes:
+        what = f"{p.phase} {p.done_bytes / p.total_bytes:.0%} of {p.total_bytes / 1e9:.2f} GB"
+    else:
+        what = f"{p.phase} {p.done_bytes / 1e6:.0f} MB"
+    print(f"\rnode {d.node_id} downloads {d.source}: {what}   ", end="", file=sys.stderr, flush=True)
+
+
 def cmd_place(args: argparse.Namespace) -> int:
     from shardline.cluster.client import ClusterClient
     from shardline.cluster.placement import PlacementRequest
@@ -165,8 +194,9 @@ def cmd_place(args: argparse.Namespace) -> int:
         expert_parallel=args.ep,
         max_stages=args.stages,
     )
+    name, source = placed_name(args.model)
     with ClusterClient([args.cluster], args.namespace, credentials(args)) as client:
-        reply = client.place(args.model, request, dry_run=args.dry_run)
+        reply = client.place(name, request, dry_run=args.dry_run, source=source, on_download=show_download)
         assert reply.placement is not None
         if not any(r.member for r in reply.runners):
             for k, a in enumerate(reply.placement.stages):

@@ -14,6 +14,16 @@ from shardline.cluster import messages as cm
 from shardline.cluster.state import ClusterState
 
 
+def named(model: str) -> tuple[str, str]:
+    """(name, source) of what a client names: a model name as the cluster lists it, or a hub repository
+    (`org/name[@revision][:QUANT]`), whose name is the one its download is kept under and whose source one
+    node downloads it from for everyone."""
+    from shardline.models.hub import parse_repo_ref
+
+    ref = parse_repo_ref(model) if "/" in model else None
+    return (ref.model_name, model) if ref is not None else (model, "")
+
+
 def held(snap: ClusterState, model: str) -> bool:
     """A live node holds the whole model with its digest recorded: the download (if any) is over."""
     return any(

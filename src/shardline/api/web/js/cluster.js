@@ -14,7 +14,7 @@ function nodeStatus(node) {
 
 export function renderNodes(container, state) {
   const nodes = state.nodes;
-  const key = JSON.stringify(nodes.map((n) => [n.node_id, n.alive, n.leaving, n.master, n.resources, n.api, n.left_at]));
+  const key = JSON.stringify(nodes.map((n) => [n.node_id, n.alive, n.leaving, n.master, n.resources, n.api, n.left_at, n.downloads]));
   swap(container, key, () => {
     if (!nodes.length) return h("p", { class: "empty" }, "No nodes yet.");
     return nodes.map((n) => {
@@ -46,9 +46,26 @@ export function renderNodes(container, state) {
               h("p", { class: "small" }, `score ${r.compute_score.toFixed(1)} GFLOP/s · ${r.device} · ${r.cpus} CPUs`),
             ]
           : h("p", { class: "small" }, n.left_at ? `last seen ${clock(n.left_at)}` : "no report"),
+        downloadRows(n.downloads || {}),
       );
     });
   });
+}
+
+// A model this node downloads for the cluster (the others copy their stages from it).
+function downloadRows(downloads) {
+  return Object.entries(downloads)
+    .filter(([, d]) => d.phase !== "done")
+    .map(([model, d]) => {
+      const pct = d.total_bytes ? Math.floor((100 * d.done_bytes) / d.total_bytes) : 0;
+      const what = d.phase === "failed" ? `failed: ${d.error}` : d.total_bytes ? `${d.phase} ${pct}% of ${bytes(d.total_bytes)}` : `${d.phase} ${bytes(d.done_bytes)}`;
+      return h(
+        "div",
+        { class: "download", "data-download": model, title: `${model} from ${d.source}` },
+        h("p", { class: "small" }, `⤓ ${d.source}: ${what}`),
+        d.phase === "failed" ? null : h("div", { class: "meter", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": 100, "aria-valuenow": pct, "aria-label": `download of ${model}` }, h("span", { style: `width:${pct}%` })),
+      );
+    });
 }
 
 const PHASE_LABEL = { weights: "copying weights", warming: "warming up" };

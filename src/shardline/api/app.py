@@ -24,6 +24,7 @@ from shardline.api.routes import cluster as cluster_api
 from shardline.api.routes import dashboard
 from shardline.api.routes import ollama as ollama_api
 from shardline.api.routes import openai as openai_api
+from shardline.api.routes import openai_responses as responses_api
 from shardline.api.service import Service
 from shardline.api.streaming import ClientGone
 
@@ -65,7 +66,7 @@ def build_app(service: Service) -> FastAPI:
         version=shardline.__version__,
         description="OpenAI-, Anthropic- and Ollama-compatible serving of a model split across a cluster.",
     )
-    for module in (openai_api, anthropic_api, ollama_api, cluster_api):
+    for module in (openai_api, responses_api, anthropic_api, ollama_api, cluster_api):
         app.include_router(module.router(service))
     dashboard.mount(app)
 

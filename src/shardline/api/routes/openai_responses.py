@@ -1,0 +1,480 @@
+"""OpenAI's Responses API: POST /v1/responses (whole or streamed as its typed events), GET and DELETE of a
+stored response. Bodies are in api/routes/responses_schema.py, stored responses in responses_store.py.
+
+Another face of the same service as /v1/chat/completions: the input items become the same neutral chat
+messages (api/tools/prompt.py), tools and `text.format` the same grammars, and the answer one active request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from shardline.api.active import ActiveRequest, Outcome
+from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
+from shardline.api.limits import check_tools
+from shardline.api.response_format import checked, constraint_of
+from shardline.api.routes.responses_schema import DeletedResponse, ResponseObject, ResponsesRequest
+from shardline.api.routes.responses_store import ResponseStore
+from shardline.api.service import Service
+from shardline.api.streaming import SSE_EVENT, sse, stream_response, whole
+from shardline.api.tools.calls import (
+    ArgsPiece,
+    CallEnd,
+    CallStart,
+    CallStream,
+    Event,
+    TextPiece,
+    call_id,
+    calls_in,
+)
+from shardline.api.tools.prompt import Tool, ToolPlan, history_call, openai_plan, plan_constraint, tool_of
+from shardline.compute.constraints import Constraint
+from shardline.compute.sampling import SamplingParams
+
+ERRORS = error_responses("openai", 400, 401, 404, 429, 503)
+ANSWERS = {**ERRORS, 200: {"model": ResponseObject, "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- request -> conversation, plan, sampling ---------------------------------------------------------------
+
+
+def _check(req: ResponsesRequest) -> None:
+    if req.background:
+        raise unsupported("background", "background mode")
+    if req.conversation is not None:
+        raise unsupported("conversation", "a conversation object (use previous_response_id)")
+    if req.prompt is not None:
+        raise unsupported("prompt", "a stored prompt template")
+    if req.top_logprobs:
+        raise unsupported("top_logprobs", "top_logprobs")
+    if req.input is None or req.input == "" or req.input == []:
+        raise bad_request("input is required: a string or a list of input items", "input")
+    if not isinstance(req.input, str) and not (
+        isinstance(req.input, list) and all(isinstance(item, dict) for item in req.input)
+    ):
+        raise bad_request("input must be a string or a list of input items (objects)", "input")
+    meta = req.metadata or {}
+    if len(meta) > METADATA_KEYS or any(
+        len(k) > METADATA_KEY_CHARS or len(v) > METADATA_VALUE_CHARS for k, v in meta.items()
+    ):
+        raise bad_request(
+            f"metadata holds at most {METADATA_KEYS} pairs, keys of at most {METADATA_KEY_CHARS} and values "
+            f"of at most {METADATA_VALUE_CHARS} characters",
+            "metadata",
+        )
+
+
+def _parts_text(content: Any, where: str) -> str:
+    """A message's content (a string or text parts) as one string; other parts (images, files) refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in TEXT_PARTS:
+            raise bad_request(f"{where}: a {kind} part needs a string text", "input")
+        else:
+            raise unsupported("input", f"content parts of type {kind!r} (only text)")
+    return "".join(texts)
+
+
+def conversation_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` as chat messages in api/tools/prompt.py's neutral form: messages, earlier function calls (one
+    assistant turn for neighbouring calls) and their outputs as tool turns."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            role = ROLES.get(role) if isinstance(role, str) else None
+            if role is None:
+                raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "input")
+            out.append({"role": role, "content": _parts_text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = history_call(item.get("name"), item.get("arguments"), item.get("call_id"), "input")
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            cid = item.get("call_id")
+            if not isinstance(cid, str) or not cid:
+                raise bad_request(f"{where}: a function_call_output needs the call_id it answers", "input")
+            output = _parts_text(item.get("output"), where)
+            out.append({"role": "tool", "content": output, "tool_call_id": cid})
+        elif kind == "reasoning":
+            continue  # another server's reasoning, replayed by a client: nothing this model can read back
+        else:
+            raise unsupported("input", f"input items of type {kind!r}")
+    return out
+
+
+def responses_tools(tools: list[dict[str, Any]] | None) -> tuple[Tool, ...]:
+    """The Responses API's function tools: `{"type": "function", name, description, parameters, strict}`."""
+    check_tools(tools)
+    out = []
+    for spec in tools or []:
+        kind = spec.get("type")
+        if kind != "function":
+            raise unsupported("tools", f"the built-in tool {kind!r} (only function tools are)")
+        if not isinstance(spec.get("strict", False), bool | None):
+            raise bad_request(f"tool {spec.get('name')!r}: strict must be a boolean", "tools")
+        out.append(tool_of(spec.get("name"), spec.get("description"), spec.get("parameters"), "tools"))
+    if len({t.name for t in out}) != len(out):
+        raise bad_request("tool names must be unique", "tools")
+    return tuple(out)
+
+
+def responses_plan(req: ResponsesRequest, tools: tuple[Tool, ...]) -> ToolPlan | None:
+    choice: Any = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise unsupported("tool_choice", f"tool_choice of type {choice.get('type')!r}")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return openai_plan(tools, choice, req.parallel_tool_calls)
+
+
+def format_constraint(req: ResponsesRequest) -> Constraint | None:
+    """`text.format` as response_format's constraint (the same grammar), errors naming text.format."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+        fmt = {"type": "json_schema", "json_schema": spec}
+    elif kind not in ("text", "json_object"):
+        raise bad_request(
+            f"text.format type {kind!r} is not one of 'text', 'json_object', 'json_schema'", "text"
+        )
+    try:
+        return constraint_of(fmt)
+    except ApiError as exc:
+        exc.message = exc.message.replace("response_format.json_schema.", "text.format.")
+        exc.message = exc.message.replace("response_format", "text.format")
+        exc.param = "text"
+        raise
+
+
+# ---- the answer --------------------------------------------------------------------------------------------
+
+
+def message_item(text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    item_id = _item_id("msg")
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": [part]}
+
+
+def call_item(name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": _item_id("fc"),
+        "call_id": call_id(),
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An answer's output items as the chat messages a follow-up's prompt holds."""
+    return conversation_of(
+        [
+            {"type": "message", "role": "assistant", "content": item["content"]}
+            if item["type"] == "message"
+            else {k: item[k] for k in ("type", "name", "arguments", "call_id")}
+            for item in output
+        ]
+    )
+
+
+@dataclass
+class Run:
+    """One Responses request: what it asked, and what its Response object echoes."""
+
+    req: ResponsesRequest
+    plan: ToolPlan | None
+    history: list[dict[str, Any]]  # the conversation before the answer (earlier turns + this input)
+    store: ResponseStore
+    rid: str = ""
+    created: int = 0
+    model: str = ""
+    output: list[dict[str, Any]] = field(default_factory=list)
+
+    def response(self, status: str, outcome: Outcome | None = None) -> dict[str, Any]:
+        req = self.req
+        usage = None
+        if outcome is not None:
+            usage = {
+                "input_tokens": outcome.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": outcome.cached_tokens, "cache_write_tokens": 0},
+                "output_tokens": outcome.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+            }
+        tools = [
+            {
+                "type": "function",
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.parameters,
+                "strict": True,
+            }
+            for t in (self.plan.tools if self.plan is not None else ())
+        ]
+        fmt = req.text.format if req.text is not None and req.text.format else {"type": "text"}
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": self.output,
+            "usage": usage,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "error": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "store": req.store is not False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": req.top_p or 1.0,
+            "tool_choice": req.tool_choice or "auto",
+            "tools": tools,
+            "text": {"format": fmt},
+            "truncation": "disabled",
+            "background": False,
+            "reasoning": {"effort": None, "summary": None},
+            "timings": outcome.timings.as_dict() if outcome is not None else None,
+        }
+
+    def finish(self, outcome: Outcome) -> dict[str, Any]:
+        """The final Response object, stored unless the request said `store: false`."""
+        status = "incomplete" if outcome.finish_reason == "length" and not self._called() else "completed"
+        response = self.response(status, outcome)
+        if self.req.store is not False:
+            self.store.put(self.rid, response, self.history + output_messages(self.output))
+        return response
+
+    def _called(self) -> bool:
+        return any(i["type"] == "function_call" and i["status"] == "completed" for i in self.output)
+
+
+def whole_output(outcome: Outcome, plan: ToolPlan | None) -> list[dict[str, Any]]:
+    calls = calls_in(outcome.text, plan)
+    if calls is not None:
+        return [call_item(c.name, c.arguments_json, "completed") for c in calls]
+    return [message_item(outcome.text, "incomplete" if outcome.finish_reason == "length" else "completed")]
+
+
+async def _events(active: ActiveRequest, run: Run) -> AsyncIterator[bytes]:
+    """The Responses API's typed events, each an SSE `event:` named as its `type`, numbered in order."""
+    seq = itertools.count()
+
+    def ev(kind: str, **fields: Any) -> bytes:
+        return sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
+
+    plan = run.plan
+    calling = plan is not None and plan.calling
+    calls = CallStream(may_be_text=plan is None or plan.mode == "auto")
+    message: dict[str, Any] | None = None
+    at: dict[str, Any] = {}  # the message's place: item_id, output_index, content_index
+    text: list[str] = []
+    open_calls: dict[int, int] = {}  # a streamed call's index -> its output index
+    yield ev("response.created", response=run.response("in_progress"))
+    yield ev("response.in_progress", response=run.response("in_progress"))
+
+    def opened(item: dict[str, Any]) -> bytes:
+        run.output.append({**item, "status": "in_progress"})
+        return ev("response.output_item.added", output_index=len(run.output) - 1, item=run.output[-1])
+
+    def message_events() -> list[bytes]:
+        nonlocal message
+        if message is not None:
+            return []
+        message = message_item("", "in_progress")
+        part = message["content"][0]
+        message["content"] = []
+        at.update(item_id=message["id"], output_index=len(run.output), content_index=0)
+        return [opened(message), ev("response.content_part.added", **at, part=part)]
+
+    def translated(events: list[Event]) -> list[bytes]:
+        out: list[bytes] = []
+        for e in events:
+            if isinstance(e, TextPiece):
+                out += message_events()
+                assert message is not None
+                text.append(e.text)
+                out.append(ev("response.output_text.delta", **at, delta=e.text, logprobs=[]))
+            elif isinstance(e, CallStart):
+                open_calls[e.index] = len(run.output)
+                out.append(opened(call_item(e.name, "", "in_progress")))
+            elif isinstance(e, ArgsPiece):
+                index = open_calls[e.index]
+                item_id = run.output[index]["id"]
+                out.append(
+                    ev(
+                        "response.function_call_arguments.delta",
+                        item_id=item_id,
+                        output_index=index,
+                        delta=e.text,
+                    )
+                )
+            elif isinstance(e, CallEnd):
+                index = open_calls.pop(e.index)
+                item = run.output[index]
+                item.update(arguments=e.arguments, status="completed")
+                out.append(
+                    ev(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=e.arguments,
+                    )
+                )
+                out.append(ev("response.output_item.done", output_index=index, item=item))
+        return out
+
+    try:
+        async for chunk in active.chunks():
+            events: list[Event] = calls.feed(chunk.text) if calling else [TextPiece(chunk.text)]
+            for part in translated([e for e in events if not isinstance(e, TextPiece) or e.text]):
+                yield part
+        for part in translated(calls.end() if calling else []):
+            yield part
+    except ApiError as exc:
+        yield ev("error", code=exc.code or exc.kind, message=exc.message, param=exc.param)
+        failed = run.response("failed")
+        failed["error"] = {"code": exc.code or "server_error", "message": exc.message}
+        yield ev("response.failed", response=failed)
+        return
+    outcome = active.outcome
+    assert outcome is not None
+    status = "incomplete" if outcome.finish_reason == "length" else "completed"
+    if not run.output:  # nothing at all was said: still one (empty) message, as a whole answer has
+        for part in message_events():
+            yield part
+    if message is not None:
+        index = at["output_index"]
+        whole_text = "".join(text)
+        part = {"type": "output_text", "text": whole_text, "annotations": [], "logprobs": []}
+        yield ev("response.output_text.done", **at, text=whole_text, logprobs=[])
+        yield ev("response.content_part.done", **at, part=part)
+        run.output[index].update(content=[part], status=status)
+        yield ev("response.output_item.done", output_index=index, item=run.output[index])
+    for index in open_calls.values():  # a call cut short by max_output_tokens
+        run.output[index]["status"] = "incomplete"
+        yield ev("response.output_item.done", output_index=index, item=run.output[index])
+    response = run.finish(outcome)
+    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    yield ev(kind, response=response)
+
+
+# ---- the routes --------------------------------------------------------------------------------------------
+
+
+def _not_found(rid: str, param: str | None = None) -> ApiError:
+    return ApiError(
+        404,
+        f"no stored response {rid!r}: responses made with store: false are not kept, and stored ones are "
+        "kept in memory by the node that answered, for a bounded time and number",
+        "invalid_request_error",
+        param,
+        "response_not_found" if param is None else "previous_response_not_found",
+    )
+
+
+def router(service: Service, store: ResponseStore | None = None) -> APIRouter:
+    r = APIRouter(tags=["OpenAI"])
+    stored = store or ResponseStore()
+
+    @r.post("/v1/responses", responses=ANSWERS)
+    async def create(req: ResponsesRequest, request: Request) -> Any:
+        _check(req)
+        tools = responses_tools(req.tools)
+        plan = responses_plan(req, tools)
+        calling = plan is not None and plan.calling
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            previous = stored.get(req.previous_response_id)
+            if previous is None:
+                raise _not_found(req.previous_response_id, "previous_response_id")
+            history = list(previous.conversation)
+        assert req.input is not None
+        history += conversation_of(req.input)
+        messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
+        constraint = format_constraint(req)
+        if calling:
+            constraint = plan_constraint(plan, constraint)
+        param = "tools" if calling else "text"
+        sampling = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=req.top_p or 1.0,
+            constraint=await asyncio.to_thread(checked, constraint, param),
+        )
+        prompt_tools = plan.tools if calling and plan is not None else ()
+        try:
+            active = await service.start(
+                "responses",
+                req.model,
+                lambda text: text.chat(messages, prompt_tools),
+                req.max_output_tokens,
+                sampling,
+                [],
+            )
+        except ApiError as exc:
+            if exc.param == "max_tokens":  # the service's name for it
+                exc.param, exc.message = (
+                    "max_output_tokens",
+                    exc.message.replace("max_tokens", "max_output_tokens"),
+                )
+            raise
+        run = Run(req, plan, history, stored, f"resp_{active.id}", active.created, active.model)
+        if req.stream:
+            return stream_response(active, lambda a: _events(a, run), "openai")
+        outcome = await whole(request, active)
+        run.output = whole_output(outcome, plan)
+        return JSONResponse(run.finish(outcome))
+
+    @r.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERRORS)
+    async def retrieve(response_id: str) -> Any:
+        found = stored.get(response_id)
+        if found is None:
+            raise _not_found(response_id)
+        return JSONResponse(found.response)
+
+    @r.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=ERRORS)
+    async def delete(response_id: str) -> DeletedResponse:
+        if not stored.delete(response_id):
+            raise _not_found(response_id)
+        return DeletedResponse(id=response_id)
+
+    return r

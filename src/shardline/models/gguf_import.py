@@ -1,4 +1,4 @@
-"""Import a GGUF file (llama, qwen2, qwen3) into a model directory mlx-lm can load.
+"""Import a GGUF file into a model directory mlx-lm can load (the architectures of models/gguf_archs.py).
 
 Output: config.json, model.safetensors (HF tensor names), tokenizer.json, tokenizer_config.json,
 generation_config.json and shardline_import.json (provenance, and the form each tensor took).
@@ -34,10 +34,18 @@ from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
 from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from shardline.models.gguf_archs import FLOAT_ONLY, arch_spec, hf_name, is_norm, layer_short_name
 from shardline.models.gguf_config import build_config, check_architecture, meta_scalar
 from shardline.models.gguf_quant import GROUP, Form, check_rows, float16_exact, form_for, to_affine
 from shardline.models.gguf_split import SplitGGUF, split_parts
-from shardline.models.gguf_tensors import ROPE_FREQS, dequantize_tensor, hf_name, hf_shape, unpermute_llama_qk
+from shardline.models.gguf_tensors import (
+    CONFIG_TENSORS,
+    dequantize_tensor,
+    float_tensor,
+    hf_shape,
+    join_kv_b,
+    unpermute_llama_qk,
+)
 from shardline.models.gguf_tokenizer import build_tokenizer, tokenizer_config
 from shardline.models.safetensors_stream import write_safetensors
 from shardline.models.store.formats import IMPORT_INFO_FILE
@@ -46,7 +54,8 @@ log = logging.getLogger("shardline.models")
 
 # Bump when the output layout or conversion changes, so cached imports are redone.
 # 2: quantized GGUF matrices stay quantized (MLX affine) by default.
-IMPORT_FORMAT_VERSION = 2
+# 3: more architectures (models/gguf_archs.py), 3-D expert stacks.
+IMPORT_FORMAT_VERSION = 3
 TEMP_PREFIX = ".importing-"
 WEIGHTS = ("quantized", "float32")  # what import_gguf(weights=...) accepts
 DEFAULT_WEIGHTS = "quantized"
@@ -72,16 +81,42 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def _tensor_plan(reader: GGUFReader) -> tuple[list[tuple[str, ReaderTensor]], np.ndarray | None]:
-    """(HF name, GGUF tensor) pairs to write, plus Llama 3's rope factors, which go to config."""
+def _joined_kv_b(tensors: dict[str, ReaderTensor]) -> list[ReaderTensor]:
+    """deepseek2's kv_b_proj, per layer, rebuilt (float32) from attn_k_b / attn_v_b where the file stores
+    only those (llama.cpp's converter for absorbed MLA does)."""
+    joined = []
+    for name, k_b in tensors.items():
+        if layer_short_name(name) != "attn_k_b":
+            continue
+        kv_b = name.replace(".attn_k_b.", ".attn_kv_b.")
+        if kv_b not in tensors:
+            v_b = tensors[name.replace(".attn_k_b.", ".attn_v_b.")]
+            joined.append(float_tensor(kv_b, join_kv_b(dequantize_tensor(k_b), dequantize_tensor(v_b))))
+    return joined
+
+
+def _tensor_plan(
+    reader: GGUFReader | SplitGGUF, arch: str
+) -> tuple[list[tuple[str, ReaderTensor]], dict[str, np.ndarray]]:
+    """(HF name, GGUF tensor) pairs to write, plus the rope tensors that go to config."""
+    spec = arch_spec(arch)
     plan: list[tuple[str, ReaderTensor]] = []
-    rope_freqs: np.ndarray | None = None
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
-            rope_freqs = dequantize_tensor(tensor)
-        else:
-            plan.append((hf_name(tensor.name), tensor))
-    return plan, rope_freqs
+    extras: dict[str, np.ndarray] = {}
+    tensors = {t.name: t for t in reader.tensors}
+    for tensor in [*reader.tensors, *_joined_kv_b(tensors)]:
+        if tensor.name in CONFIG_TENSORS:
+            extras[tensor.name] = dequantize_tensor(tensor)
+        elif layer_short_name(tensor.name) not in spec.derived:
+            plan.append((hf_name(tensor.name, arch), tensor))
+    return plan, extras
+
+
+def _hf_layout(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape mlx-lm wants where llama.cpp stores fewer dimensions: qwen2moe's shared-expert gate is
+    a [1, hidden] linear layer, kept as a [hidden] vector."""
+    if name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+        return (1, *shape)
+    return shape
 
 
 @dataclass(frozen=True)
@@ -100,10 +135,10 @@ class _Tensor:
         if not self.form.quantized:
             return {self.name: self.shape}
         base = self.name.removesuffix(".weight")
-        rows, cols = self.shape
-        groups = (rows, cols // GROUP)
+        *rows, cols = self.shape  # a 3-D expert stack keeps its leading [experts, out]
+        groups = (*rows, cols // GROUP)
         return {
-            f"{base}.weight": (rows, cols * self.form.bits // 32),
+            f"{base}.weight": (*rows, cols * self.form.bits // 32),
             f"{base}.scales": groups,
             f"{base}.biases": groups,
         }
@@ -147,8 +182,8 @@ class FormStats:
 
 def _qk_heads(arch: str, name: str, meta: dict[str, Any]) -> int | None:
     """Head count to un-permute a llama Q/K tensor's rows by; None for every other tensor."""
-    # Only the llama converter permutes Q/K rows; qwen2/qwen3 are stored as in HF.
-    if arch != "llama" or not (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+    # Only the llama converter (and those built on it) permutes Q/K rows; the others are stored as in HF.
+    if not arch_spec(arch).permute_qk or not (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
         return None
     n_head = int(meta_scalar(meta, f"{arch}.attention.head_count"))
     return n_head if ".q_proj." in name else int(meta_scalar(meta, f"{arch}.attention.head_count_kv", n_head))
@@ -164,6 +199,7 @@ def _converted(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The tensors to store under HF names, one at a time (peak memory: about one tensor's)."""
     arch = meta["general.architecture"]
+    plus_one = arch_spec(arch).norm_plus_one
     for t in tqdm(plan, desc=desc, unit="tensor", disable=not progress):
         heads = _qk_heads(arch, t.name, meta)
         key = (t.qtype.name, t.form.label)
@@ -171,9 +207,11 @@ def _converted(
         st.tensors += 1
         st.bytes_in += int(t.tensor.n_bytes)
         if not t.form.quantized:
-            weight = dequantize_tensor(t.tensor)
+            weight = dequantize_tensor(t.tensor).reshape(t.shape)
             if heads is not None:
                 weight = unpermute_llama_qk(weight, heads)
+            if plus_one and is_norm(t.tensor.name):
+                weight = weight - np.float32(1.0)  # Gemma's converter stored 1 + w; mlx-lm adds the one
             st.bytes_out += weight.nbytes
             yield t.name, weight
             continue
@@ -203,7 +241,7 @@ def _converted(
             ("biases", affine.biases.astype(scale_dtype)),
         ):
             st.bytes_out += array.nbytes
-            yield f"{base}.{suffix}", array
+            yield f"{base}.{suffix}", array.reshape(*t.shape[:-1], -1)
 
 
 def quantization_config(plan: list[_Tensor]) -> dict[str, Any] | None:
@@ -215,7 +253,7 @@ def quantization_config(plan: list[_Tensor]) -> dict[str, Any] | None:
     default = bits.most_common(1)[0][0]
     config: dict[str, Any] = {"group_size": GROUP, "bits": default, "mode": "affine"}
     for t in plan:
-        if len(t.shape) != 2 or not t.name.endswith(".weight"):
+        if len(t.shape) not in (2, 3) or not t.name.endswith(".weight"):
             continue
         module = t.name.removesuffix(".weight")
         if not t.form.quantized:
@@ -325,26 +363,18 @@ def import_gguf(
     arch = check_architecture(meta.get("general.architecture"))
     tokenizer = build_tokenizer(meta)
 
-    pairs, rope_freqs = _tensor_plan(reader)
+    pairs, extras = _tensor_plan(reader, arch)
     plan = []
     for name, tensor in pairs:
-        shape = hf_shape(tensor)
+        shape = _hf_layout(name, hf_shape(tensor))
         qtype = GGMLQuantizationType(tensor.tensor_type)
-        plan.append(
-            _Tensor(name, tensor, shape, form_for(qtype, shape) if weights == "quantized" else Form())
-        )
+        keep = weights == "quantized" and layer_short_name(tensor.name) not in FLOAT_ONLY
+        plan.append(_Tensor(name, tensor, shape, form_for(qtype, shape) if keep else Form()))
     shapes = {t.name: t.shape for t in plan}
-    for needed in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+    for needed in ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight"):
         if needed not in shapes:
             raise CorruptModelError(f"{gguf_path}: GGUF lacks the tensor for {needed}")
-    config = build_config(
-        meta,
-        vocab_size=shapes["model.embed_tokens.weight"][0],
-        q_proj_rows=shapes["model.layers.0.self_attn.q_proj.weight"][0],
-        tied="lm_head.weight" not in shapes,
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
-        rope_freqs=rope_freqs,
-    )
+    config = build_config(meta, shapes=shapes, extras=extras)
     if (quantization := quantization_config(plan)) is not None:
         config["quantization"] = quantization
         config["quantization_config"] = quantization  # mlx-lm writes both; HF tools read the second

@@ -29,6 +29,7 @@ error as Q6_K has already. The error is measured and reported per tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -145,9 +146,10 @@ _EXACT: dict[GGMLQuantizationType, tuple[int, Callable[[np.ndarray], Unpacked]]]
 
 
 def form_for(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Form:
-    """The form a GGUF tensor of `qtype` and HF `shape` takes: only 2-D matrices whose input dimension
-    divides into groups of 32 are quantized (norms, biases and odd shapes stay float32)."""
-    if qtype in FLOAT_TYPES or len(shape) != 2 or shape[1] % GROUP:
+    """The form a GGUF tensor of `qtype` and HF `shape` takes: only matrices (2-D, or 3-D stacks of experts'
+    matrices) whose input dimension divides into groups of 32 are quantized (norms, biases and odd shapes
+    stay float32)."""
+    if qtype in FLOAT_TYPES or len(shape) not in (2, 3) or shape[-1] % GROUP:
         return FLOAT32  # float GGUF tensors are already exact as float32 (float16 matmul ran slower on CPU)
     if qtype in _EXACT:
         return Form(bits=_EXACT[qtype][0])
@@ -245,8 +247,13 @@ def requantize(w: np.ndarray, bits: int = FALLBACK_BITS) -> Affine:
     return out
 
 
-def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Affine:
-    """A GGUF tensor's raw blocks (as GGUFReader gives them) in MLX's affine form (see `form_for`)."""
+def to_affine(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Affine:
+    """A GGUF tensor's raw blocks (as GGUFReader gives them) in MLX's affine form (see `form_for`).
+
+    A 3-D stack [experts, out, in] comes back as its (experts * out, in) rows: GGUF quantizes each row on
+    its own, so every expert's [out, in] slice is quantized as MLX's QuantizedSwitchLinear reads it once
+    the caller reshapes weight, scales and biases to [experts, out, ...]."""
+    shape = (math.prod(shape[:-1]), shape[-1])
     if qtype in _EXACT:
         return _exact(data, qtype, shape)
     w = np.ascontiguousarray(dequantize(data, qtype).reshape(shape), dtype=np.float32)
@@ -259,7 +266,8 @@ def check_rows(data: np.ndarray, qtype: GGMLQuantizationType, affine: Affine, ro
     """Max abs difference of the first `rows` rows against gguf's own dequantization: a cheap guard that an
     exact form is exact (0.0), run at every import."""
     n = min(rows, affine.weight.shape[0])
-    want = dequantize(np.ascontiguousarray(data[:n]), qtype).reshape(n, -1)
+    rows_data = data.reshape(-1, data.shape[-1])  # a 3-D expert stack's rows, as to_affine reads them
+    want = dequantize(np.ascontiguousarray(rows_data[:n]), qtype).reshape(n, -1)
     got = Affine(affine.weight[:n], affine.scales[:n], affine.biases[:n], affine.bits).dequantized()
     # Equal values (infinities included) and NaN where gguf has NaN (a broken file, kept as it is) agree.
     with np.errstate(invalid="ignore"):

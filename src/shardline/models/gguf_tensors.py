@@ -1,4 +1,4 @@
-"""GGUF tensor names, dequantization and llama.cpp's Q/K row permutation."""
+"""GGUF tensor shapes, dequantization, and the layouts llama.cpp's converter changes (Q/K rows, kv_b)."""
 
 from __future__ import annotations
 
@@ -9,35 +9,9 @@ from gguf.quants import dequantize
 
 from shardline.models.errors import UnsupportedModelError
 
-# Tensor folded into config.json (Llama 3 rope scaling) instead of the weights.
+# Tensors folded into config.json (Llama 3 and Phi-3 rope scaling) instead of the weights.
 ROPE_FREQS = "rope_freqs.weight"
-
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def hf_name(gguf_name: str) -> str:
-    """HF/mlx-lm parameter name for a GGUF tensor name (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
-    stem, _, kind = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    if kind in ("weight", "bias"):
-        if len(parts) == 1 and parts[0] in _GLOBAL_NAMES:
-            return f"{_GLOBAL_NAMES[parts[0]]}.{kind}"
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-            return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no known HF equivalent; not supported")
+CONFIG_TENSORS = frozenset({ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
@@ -69,3 +43,31 @@ def unpermute_llama_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return (
         weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
     )
+
+
+def float_tensor(name: str, array: np.ndarray) -> ReaderTensor:
+    """A float32 array computed at import (not read from the file) in the reader's form, so that it
+    goes through the importer like any float GGUF tensor."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return ReaderTensor(
+        name=name,
+        tensor_type=GGMLQuantizationType.F32,
+        shape=np.array(list(reversed(array.shape)), dtype=np.uint64),
+        n_elements=int(array.size),
+        n_bytes=int(array.nbytes),
+        data_offset=0,
+        data=array,
+        field=None,  # type: ignore[arg-type]
+    )
+
+
+def join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek MLA's kv_b_proj [heads * (nope + v), kv_lora] from the halves newer converters store.
+
+    convert_hf_to_gguf views kv_b_proj as [heads, nope + v, kv_lora], splits it into K's [heads, nope,
+    kv_lora] (stored transposed, [heads, kv_lora, nope], for llama.cpp's absorbed attention) and V's
+    [heads, v, kv_lora]; this undoes both steps."""
+    heads, lora, _ = k_b.shape
+    if v_b.shape[0] != heads or v_b.shape[2] != lora:
+        raise UnsupportedModelError(f"attn_k_b {k_b.shape} and attn_v_b {v_b.shape} do not pair up")
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, lora)

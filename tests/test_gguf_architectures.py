@@ -1,0 +1,129 @@
+"""GGUF import beyond llama: per architecture, a tiny mlx-lm model written as llama.cpp's converter writes
+it (testing/tiny_gguf_arch.py), imported, loaded strictly by mlx-lm, and its logits equal to mlx-lm's own
+forward on the same weights (as gguf dequantizes them, where stored quantized)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from shardline.models.errors import UnsupportedModelError
+from shardline.models.gguf_archs import SUPPORTED_ARCHITECTURES
+from shardline.models.gguf_import import import_gguf
+from shardline.testing import arch_zoo
+from shardline.testing.tiny_gguf_arch import write_arch_gguf
+
+pytestmark = pytest.mark.timeout(120)
+
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+Q4_0 = gguf.GGMLQuantizationType.Q4_0
+
+
+def _model(mlx_arch: str, tweaks: dict[str, Any]) -> tuple[Any, dict[str, Any], dict[str, np.ndarray]]:
+    """arch_zoo's tiny model of `mlx_arch` (with `tweaks` to its config), its config and float32 weights,
+    norms made random too so that a norm stored wrong shows."""
+    config = arch_zoo.tiny_config(mlx_arch) | tweaks
+    module = importlib.import_module(f"mlx_lm.models.{mlx_arch}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    rng = np.random.default_rng(1)
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        w = np.array(value, dtype=np.float32)
+        if w.ndim == 1:
+            w = w + rng.standard_normal(w.shape).astype(np.float32) * 0.1
+        weights[name] = w
+    return model, config, weights
+
+
+def _round_trip(
+    tmp_path: Path,
+    gguf_arch: str,
+    mlx_arch: str,
+    tweaks: dict[str, Any] | None = None,
+    *,
+    qtype: gguf.GGMLQuantizationType | None = None,
+    mla_split: bool = True,
+) -> dict[str, Any]:
+    model, config, weights = _model(mlx_arch, tweaks or {})
+    path = tmp_path / f"{gguf_arch}.gguf"
+    reference = write_arch_gguf(path, gguf_arch, weights, config, qtype=qtype, mla_split=mla_split)
+    model.load_weights([(k, mx.array(v)) for k, v in reference.items()], strict=True)
+    out = import_gguf(path, tmp_path / "imported", progress=False)
+    imported, _ = load_model(out, strict=True)
+    want_tokens, want = arch_zoo.generate(model)
+    got_tokens, got = arch_zoo.generate(imported)
+    assert got_tokens == want_tokens
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+    return json.loads((out / "config.json").read_text())
+
+
+CASES = {
+    # gguf arch: (mlx-lm model file, config changes). Mistral 7B / Nemo GGUFs are llama's architecture.
+    "llama": ("llama", {"head_dim": 16}),
+    "gemma2": ("gemma2", {}),
+    # llama.cpp assumes Gemma 3's one global layer in six and its local rope base; the tiny model has them.
+    "gemma3": ("gemma3_text", {"sliding_window_pattern": 6, "num_hidden_layers": 6, "rope_theta": 1e6}),
+    "phi3": ("phi3", {}),
+    "qwen2moe": ("qwen2_moe", {}),
+    "qwen3moe": ("qwen3_moe", {}),
+    "deepseek2": ("deepseek_v2", {}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {}),
+    "granitemoe": ("granitemoe", {}),
+}
+
+
+@pytest.mark.parametrize("gguf_arch", list(CASES))
+def test_round_trip_float(tmp_path: Path, gguf_arch: str) -> None:
+    mlx_arch, tweaks = CASES[gguf_arch]
+    config = _round_trip(tmp_path, gguf_arch, mlx_arch, tweaks)
+    assert config["model_type"] == mlx_arch
+    assert "quantization" not in config
+
+
+@pytest.mark.parametrize(
+    ("gguf_arch", "qtype"),
+    [("qwen2moe", Q8_0), ("qwen3moe", Q4_0), ("deepseek2", Q8_0), ("granitemoe", Q4_0), ("gemma3", Q8_0)],
+)
+def test_round_trip_quantized_experts(
+    tmp_path: Path, gguf_arch: str, qtype: gguf.GGMLQuantizationType
+) -> None:
+    """3-D expert stacks stay quantized, each expert's [out, in] slice as QuantizedSwitchLinear reads it."""
+    mlx_arch, tweaks = CASES[gguf_arch]
+    config = _round_trip(tmp_path, gguf_arch, mlx_arch, tweaks, qtype=qtype)
+    assert config["quantization"]["bits"] == (8 if qtype == Q8_0 else 4)
+    weights = mx.load(str(tmp_path / "imported" / "model.safetensors"))
+    stacks = [k for k in weights if ".switch_mlp." in k and k.endswith(".scales")]
+    assert stacks or gguf_arch == "gemma3"
+    for name in stacks:
+        assert weights[name].ndim == 3 and weights[name.replace(".scales", ".weight")].dtype == mx.uint32
+
+
+def test_deepseek2_with_kv_b_as_one_tensor(tmp_path: Path) -> None:
+    """Files from before llama.cpp's absorbed MLA store kv_b whole and the per-head K/V sizes plainly."""
+    _round_trip(tmp_path, "deepseek2", "deepseek_v2", qtype=Q8_0, mla_split=False)
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'falcon' is not supported") as err:
+        import_gguf(path, tmp_path / "out", progress=False)
+    assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
+    assert not (tmp_path / "out").exists()

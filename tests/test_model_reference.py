@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -155,9 +156,8 @@ def test_hub_references(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyP
     path = resolve_model("org/tiny-mlx")
     repo = hub.parse_repo_ref("org/tiny-mlx")
     assert repo is not None and path.name == model_name("org/tiny-mlx") == repo.model_name
-    assert path.is_symlink() and path.resolve() == (
-        tmp_path / "hf"
-    ).resolve() / "org--tiny-mlx" / "snapshots" / ("a" * 40)
+    snapshot = (tmp_path / "hf").resolve() / "org--tiny-mlx" / "snapshots" / ("a" * 40)
+    assert path.is_symlink() and path.resolve() == snapshot
     listed = local_models(cache)[path.name]  # a node lists, hashes and serves the linked snapshot
     assert listed.full and listed.digest
     assert reference.origin_of(path)["repo"] == "org/tiny-mlx"
@@ -172,6 +172,14 @@ def test_hub_references(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyP
     local = tmp_path / "copy.gguf"
     local.write_bytes(next((tmp_path / "hf" / "org--tiny-gguf").rglob("*.gguf")).read_bytes())
     assert resolve_model(str(local), progress=False) == gguf
+
+    from shardline.cli.main import main
+
+    assert main(["models", "rm", path.name]) == 0  # the link goes, the HF cache's snapshot stays
+    assert not path.is_symlink() and (snapshot / "config.json").is_file()
+    assert resolve_model("org/tiny-mlx") == path and len(calls) == 3
+    shutil.rmtree(snapshot)  # the HF cache was cleaned: the link dangles, and rm still removes it
+    assert main(["models", "rm", path.name]) == 0 and not path.is_symlink()
 
 
 def _cli(*args: str, cache_root: Path) -> subprocess.CompletedProcess[str]:

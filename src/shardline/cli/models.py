@@ -82,6 +82,8 @@ def entry(name: str) -> Entry:
     if not present:
         if name in KNOWN_MODELS:
             return Entry(name, path, False, source=_source(name, path, {}))
+        if NAME_PATTERN.fullmatch(name) and path.is_symlink():  # its snapshot was deleted from the HF cache
+            return Entry(name, path, False, format="missing", source=_source(name, path, origin_of(path)))
         raise CliError(f"no model {name!r} in {cache_dir()} (`shardline models list` lists them)")
     origin = origin_of(path)
     config = read_config(path)
@@ -176,7 +178,7 @@ def cmd_models_rm(args: argparse.Namespace) -> int:
     from shardline.models.reference import remove_entry
 
     e = entry(args.name)
-    if not e.present:
+    if not e.present and not e.path.is_symlink():
         raise CliError(f"model {args.name!r} is not pulled: nothing to remove")
     origin = remove_entry(e.name)
     print(f"removed {e.name} ({_size(e.size)}) from {e.path.parent}")

@@ -226,3 +226,42 @@ def test_models_list_show_rm(tmp_path: Path, cache: Path) -> None:
     for bad in (("show", "mine"), ("rm", "nope"), ("show", "../x")):
         failed = _cli(*bad, cache_root=cache.parent)
         assert failed.returncode != 0 and len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+
+
+@pytest.mark.timeout(300)
+def test_hub_references_end_to_end(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through huggingface_hub against the local stand-in hub: an MLX repository used in place, a GGUF
+    repository's quant imported, each resolved once (the second resolve asks the hub nothing)."""
+    fake_hub = pytest.importorskip("shardline.testing.fake_hub")
+    import gguf
+
+    mlx_dir = arch_zoo.write("llama", tmp_path / "mlx")
+    ggufs = {}
+    for tag, qtype in (("Q8_0", gguf.GGMLQuantizationType.Q8_0), ("Q4_0", gguf.GGMLQuantizationType.Q4_0)):
+        write_tiny_gguf(tmp_path / f"tiny-{tag}.gguf", hidden=32, ffn=64, qtype=qtype)
+        ggufs[f"tiny-{tag}.gguf"] = (tmp_path / f"tiny-{tag}.gguf").read_bytes()
+    write_tiny_gguf(tmp_path / "tiny-F32.gguf", hidden=32, ffn=64)
+    ggufs["tiny-F32.gguf"] = (tmp_path / "tiny-F32.gguf").read_bytes()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with fake_hub.FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        commit = hub.add_repo("org/tiny-mlx", {p.name: p.read_bytes() for p in mlx_dir.iterdir()})
+        gguf_commit = hub.add_repo("org/tiny-GGUF", ggufs)
+
+        path = resolve_model("org/tiny-mlx", progress=False)
+        assert path.name == model_name("org/tiny-mlx") and path.is_symlink()
+        assert (tmp_path / "hf").resolve() in path.resolve().parents  # the snapshot, in place
+        assert reference.origin_of(path)["revision"] == commit
+        assert local_models(cache)[path.name].digest
+
+        quant = resolve_model("org/tiny-GGUF:Q8_0", progress=False)
+        assert quant.name == model_name("org/tiny-GGUF:Q8_0") and not quant.is_symlink()
+        origin = reference.origin_of(quant)
+        assert origin["revision"] == gguf_commit and origin["files"] == ["tiny-Q8_0.gguf"]
+        assert "q8_0" in json.loads((quant / "shardline_import.json").read_text())["weight_format"]
+
+        asked = len(hub.requests)
+        assert resolve_model("org/tiny-mlx", progress=False) == path
+        assert resolve_model("org/tiny-GGUF:Q8_0", progress=False) == quant
+        assert len(hub.requests) == asked  # in the cache: the hub is not asked

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from shardline.models import reference, registry
-from shardline.models.errors import ModelNotFoundError
+from shardline.models.errors import ModelError, ModelNotFoundError
 from shardline.models.gguf_import import import_gguf
 from shardline.models.registry import model_name, resolve_model
 from shardline.models.store.manifest import import_record, local_models
@@ -265,3 +265,25 @@ def test_hub_references_end_to_end(tmp_path: Path, cache: Path, monkeypatch: pyt
         assert resolve_model("org/tiny-mlx", progress=False) == path
         assert resolve_model("org/tiny-GGUF:Q8_0", progress=False) == quant
         assert len(hub.requests) == asked  # in the cache: the hub is not asked
+
+
+@pytest.mark.timeout(120)
+def test_materialize_into_a_node_models_directory(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node downloading for its cluster: the model lands in its --models-dir, under the name the master
+    asked for, never in the cache."""
+    from shardline.models import hub
+
+    calls: list[str] = []
+    monkeypatch.setattr(hub, "fetch", _fake_fetch(tmp_path, calls))
+    root, phases, sizes = tmp_path / "node-models", [], []
+    name = model_name("org/tiny-gguf:Q8_0")
+    path = registry.materialize(
+        "org/tiny-gguf:Q8_0", root, name, on_bytes=lambda d, t: sizes.append((d, t)), on_phase=phases.append
+    )
+    assert path == root.resolve() / name and phases == ["downloading", "importing"]
+    assert sizes[-1][0] == sizes[-1][1] > 0 and local_models(root)[name].digest
+    assert not cache.exists() and registry.cache_dir() == cache  # the root was this call's only
+    with pytest.raises(ModelError, match="lives under the name"):
+        registry.materialize("org/tiny-gguf:Q8_0", root, "other-name")

@@ -16,6 +16,9 @@ import json
 import os
 import re
 import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -267,7 +270,12 @@ def register_alias(name: str, entry: Path, origin: dict[str, Any]) -> Path:
 
 
 def resolve_hub(
-    ref: RepoRef, *, progress: bool = True, weights: str | None = None, refresh: bool = False
+    ref: RepoRef,
+    *,
+    progress: bool = True,
+    weights: str | None = None,
+    refresh: bool = False,
+    on_phase: Callable[[str], None] | None = None,
 ) -> Path:
     """A Hugging Face reference's cache entry: taken as it is when present (no network) unless `refresh`;
     else fetched (hub.fetch), an MLX snapshot linked in place, a GGUF imported."""
@@ -281,6 +289,8 @@ def resolve_hub(
         and (is_current(entry, None, weights) or _is_mlx(entry))
     ):
         return cache_dir().resolve() / name
+    if on_phase is not None:
+        on_phase("downloading")
     model = hub.fetch(ref, progress=progress)
     origin = {
         "kind": "hub",
@@ -293,9 +303,39 @@ def resolve_hub(
     if model.kind == "mlx":
         return register_link(name, model.path, origin)
     given = {Path(k).name: v for k, v in model.digests.items()}
+    if on_phase is not None:
+        on_phase("importing")
     return import_gguf_file(
         model.path, progress=progress, weights=weights, name=name, origin=origin, given=given
     )
+
+
+@contextmanager
+def watch_download(ref: RepoRef, on_bytes: Callable[[int, int], None] | None) -> Iterator[None]:
+    """Call on_bytes(done, 0) every second with the bytes in the repository's HF cache storage (partial
+    files included) while the block runs: a download's progress, its total unknown here."""
+    if on_bytes is None:
+        yield
+        return
+    from shardline.models import hub
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(1.0):  # a sampling period, not a synchronisation
+            blobs = hub.storage_dir(ref.repo_id) / "blobs"
+            try:
+                on_bytes(sum(p.stat().st_size for p in blobs.iterdir()), 0)
+            except OSError:
+                continue  # not created yet, or a file renamed while read
+
+    thread = threading.Thread(target=watch, daemon=True, name=f"watch-{ref.repo_id}")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def _is_mlx(entry: Path) -> bool:

@@ -13,8 +13,9 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,15 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 
+# A node's models directory for what resolves in this thread (materialize): set only through `models_root`.
+_ROOT: ContextVar[Path | None] = ContextVar("shardline_models_root", default=None)
+
+
 def cache_dir() -> Path:
-    """Where imported models live: $SHARDLINE_CACHE_DIR/models, else the user's cache dir."""
+    """Where imported models live: $SHARDLINE_CACHE_DIR/models, else the user's cache dir (or, inside
+    `models_root(root)`, that root)."""
+    if (root := _ROOT.get()) is not None:
+        return root
     override = os.environ.get(CACHE_ENV)
     base = Path(override).expanduser() if override else Path(user_cache_dir("shardline"))
     return base / "models"
@@ -238,3 +246,44 @@ def model_name(ref: str | Path | None) -> str:
     if (repo := reference.hub_ref(text)) is not None:
         return repo.model_name
     raise _nothing_matches(text)
+
+
+@contextmanager
+def models_root(root: Path) -> Iterator[Path]:
+    """Resolve into `root` instead of the cache, in this thread only (a node's --models-dir)."""
+    token = _ROOT.set(Path(root))
+    try:
+        yield Path(root)
+    finally:
+        _ROOT.reset(token)
+
+
+def materialize(
+    source: str,
+    root: Path,
+    name: str,
+    *,
+    progress: bool = False,
+    on_bytes: Callable[[int, int], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> Path:
+    """Make the model `source` names whole in the models directory `root` under `name` (a node downloading a
+    model for its cluster): as resolve_model does it into the cache. on_bytes(done, total): bytes of the
+    download on disk (total 0 while unknown); on_phase("downloading" | "importing")."""
+    from shardline.models import reference
+
+    with models_root(root):
+        if (expected := model_name(source)) != name:
+            raise ModelError(f"{source!r} lives under the name {expected!r}, not {name!r}")
+        repo = reference.hub_ref(source) if not Path(source).expanduser().exists() else None
+        if repo is None:
+            if on_phase is not None:
+                on_phase("importing")
+            path = resolve_model(source, progress=progress)
+        else:
+            with reference.watch_download(repo, on_bytes):
+                path = reference.resolve_hub(repo, progress=progress, on_phase=on_phase)
+    if on_bytes is not None:
+        size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        on_bytes(size, size)
+    return path

@@ -19,7 +19,7 @@ import pytest
 from conftest import serving_cluster, wait_for
 
 from shardline.api.errors import ApiError
-from shardline.api.routes.openai_responses import conversation_of
+from shardline.api.routes.responses_input import conversation_of
 from shardline.api.routes.responses_store import ResponseStore
 from shardline.testing.cluster import LocalCluster
 
@@ -202,6 +202,7 @@ def test_streamed_events_come_in_order_and_add_up_to_the_whole_answer(client):
     final = events[-1].response
     assert final.id == events[0].response.id and final.output_text == text
     assert final.usage.output_tokens == whole.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == text  # stored as a whole one is
     item_id = events[2].item.id
     assert all(getattr(e, "item_id", item_id) == item_id for e in events)
     # The client's own stream helper accepts the sequence and assembles the same response.

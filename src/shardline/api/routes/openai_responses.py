@@ -2,7 +2,8 @@
 stored response. Bodies are in api/routes/responses_schema.py, stored responses in responses_store.py.
 
 Another face of the same service as /v1/chat/completions: the input items become the same neutral chat
-messages (api/tools/prompt.py), tools and `text.format` the same grammars, and the answer one active request.
+messages (api/tools/prompt.py), tools and `text.format` the same grammars (read in responses_input.py), and
+the answer one active request.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from shardline.api.active import ActiveRequest, Outcome
-from shardline.api.errors import ApiError, bad_request, error_responses, unsupported
-from shardline.api.limits import check_tools
-from shardline.api.response_format import checked, constraint_of
+from shardline.api.errors import ApiError, error_responses
+from shardline.api.response_format import checked
+from shardline.api.routes.responses_input import (
+    check_request,
+    conversation_of,
+    format_constraint,
+    responses_plan,
+    responses_tools,
+)
 from shardline.api.routes.responses_schema import DeletedResponse, ResponseObject, ResponsesRequest
 from shardline.api.routes.responses_store import ResponseStore
 from shardline.api.service import Service
@@ -35,150 +42,15 @@ from shardline.api.tools.calls import (
     call_id,
     calls_in,
 )
-from shardline.api.tools.prompt import Tool, ToolPlan, history_call, openai_plan, plan_constraint, tool_of
-from shardline.compute.constraints import Constraint
+from shardline.api.tools.prompt import ToolPlan, plan_constraint
 from shardline.compute.sampling import SamplingParams
 
 ERRORS = error_responses("openai", 400, 401, 404, 429, 503)
 ANSWERS = {**ERRORS, 200: {"model": ResponseObject, "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-TEXT_PARTS = ("input_text", "output_text", "text")
-METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-# ---- request -> conversation, plan, sampling ---------------------------------------------------------------
-
-
-def _check(req: ResponsesRequest) -> None:
-    if req.background:
-        raise unsupported("background", "background mode")
-    if req.conversation is not None:
-        raise unsupported("conversation", "a conversation object (use previous_response_id)")
-    if req.prompt is not None:
-        raise unsupported("prompt", "a stored prompt template")
-    if req.top_logprobs:
-        raise unsupported("top_logprobs", "top_logprobs")
-    if req.input is None or req.input == "" or req.input == []:
-        raise bad_request("input is required: a string or a list of input items", "input")
-    if not isinstance(req.input, str) and not (
-        isinstance(req.input, list) and all(isinstance(item, dict) for item in req.input)
-    ):
-        raise bad_request("input must be a string or a list of input items (objects)", "input")
-    meta = req.metadata or {}
-    if len(meta) > METADATA_KEYS or any(
-        len(k) > METADATA_KEY_CHARS or len(v) > METADATA_VALUE_CHARS for k, v in meta.items()
-    ):
-        raise bad_request(
-            f"metadata holds at most {METADATA_KEYS} pairs, keys of at most {METADATA_KEY_CHARS} and values "
-            f"of at most {METADATA_VALUE_CHARS} characters",
-            "metadata",
-        )
-
-
-def _parts_text(content: Any, where: str) -> str:
-    """A message's content (a string or text parts) as one string; other parts (images, files) refused."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-        elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in TEXT_PARTS:
-            raise bad_request(f"{where}: a {kind} part needs a string text", "input")
-        else:
-            raise unsupported("input", f"content parts of type {kind!r} (only text)")
-    return "".join(texts)
-
-
-def conversation_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`input` as chat messages in api/tools/prompt.py's neutral form: messages, earlier function calls (one
-    assistant turn for neighbouring calls) and their outputs as tool turns."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            role = ROLES.get(role) if isinstance(role, str) else None
-            if role is None:
-                raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "input")
-            out.append({"role": role, "content": _parts_text(item.get("content"), where)})
-        elif kind == "function_call":
-            call = history_call(item.get("name"), item.get("arguments"), item.get("call_id"), "input")
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            cid = item.get("call_id")
-            if not isinstance(cid, str) or not cid:
-                raise bad_request(f"{where}: a function_call_output needs the call_id it answers", "input")
-            output = _parts_text(item.get("output"), where)
-            out.append({"role": "tool", "content": output, "tool_call_id": cid})
-        elif kind == "reasoning":
-            continue  # another server's reasoning, replayed by a client: nothing this model can read back
-        else:
-            raise unsupported("input", f"input items of type {kind!r}")
-    return out
-
-
-def responses_tools(tools: list[dict[str, Any]] | None) -> tuple[Tool, ...]:
-    """The Responses API's function tools: `{"type": "function", name, description, parameters, strict}`."""
-    check_tools(tools)
-    out = []
-    for spec in tools or []:
-        kind = spec.get("type")
-        if kind != "function":
-            raise unsupported("tools", f"the built-in tool {kind!r} (only function tools are)")
-        if not isinstance(spec.get("strict", False), bool | None):
-            raise bad_request(f"tool {spec.get('name')!r}: strict must be a boolean", "tools")
-        out.append(tool_of(spec.get("name"), spec.get("description"), spec.get("parameters"), "tools"))
-    if len({t.name for t in out}) != len(out):
-        raise bad_request("tool names must be unique", "tools")
-    return tuple(out)
-
-
-def responses_plan(req: ResponsesRequest, tools: tuple[Tool, ...]) -> ToolPlan | None:
-    choice: Any = req.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function":
-            raise unsupported("tool_choice", f"tool_choice of type {choice.get('type')!r}")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return openai_plan(tools, choice, req.parallel_tool_calls)
-
-
-def format_constraint(req: ResponsesRequest) -> Constraint | None:
-    """`text.format` as response_format's constraint (the same grammar), errors naming text.format."""
-    fmt = req.text.format if req.text is not None else None
-    if fmt is None:
-        return None
-    kind = fmt.get("type")
-    if kind == "json_schema":
-        spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
-        fmt = {"type": "json_schema", "json_schema": spec}
-    elif kind not in ("text", "json_object"):
-        raise bad_request(
-            f"text.format type {kind!r} is not one of 'text', 'json_object', 'json_schema'", "text"
-        )
-    try:
-        return constraint_of(fmt)
-    except ApiError as exc:
-        exc.message = exc.message.replace("response_format.json_schema.", "text.format.")
-        exc.message = exc.message.replace("response_format", "text.format")
-        exc.param = "text"
-        raise
 
 
 # ---- the answer --------------------------------------------------------------------------------------------
@@ -418,7 +290,7 @@ def router(service: Service, store: ResponseStore | None = None) -> APIRouter:
 
     @r.post("/v1/responses", responses=ANSWERS)
     async def create(req: ResponsesRequest, request: Request) -> Any:
-        _check(req)
+        check_request(req)
         tools = responses_tools(req.tools)
         plan = responses_plan(req, tools)
         calling = plan is not None and plan.calling

@@ -185,7 +185,7 @@ def cmd_models_rm(args: argparse.Namespace) -> int:
     if origin.get("kind") == "file":
         print(f"the GGUF it was imported from stays: {origin.get('path')}")
     elif origin.get("kind") == "hub":
-        print("the Hugging Face cache's files stay (`hf cache delete` removes them)")
+        print(f"the Hugging Face cache's files stay (`hf cache rm model/{origin.get('repo')}` removes them)")
     return 0
 
 

@@ -287,3 +287,38 @@ def test_materialize_into_a_node_models_directory(
     assert not cache.exists() and registry.cache_dir() == cache  # the root was this call's only
     with pytest.raises(ModelError, match="lives under the name"):
         registry.materialize("org/tiny-gguf:Q8_0", root, "other-name")
+
+
+@pytest.mark.timeout(60)
+def test_models_list_says_which_nodes_hold_each(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardline.cli.main import main
+    from shardline.cluster import client
+    from shardline.cluster import messages as cm
+
+    arch_zoo.write("llama", cache / "held")
+    nodes = [
+        cm.NodeSummary(node_id="a", name="node-a", endpoint="", alive=True, models=["held"]),
+        cm.NodeSummary(node_id="b", name="node-b", endpoint="", alive=False, models=["held"]),
+    ]
+
+    class FakeClient:
+        def __init__(self, connect: list[str], *_args: object) -> None:
+            assert connect == ["tcp/127.0.0.1:9"]
+
+        def __enter__(self) -> FakeClient:
+            return self
+
+        def __exit__(self, *_exc: object) -> None:
+            pass
+
+        def wait(self, *_args: object) -> cm.ClusterView:
+            return cm.ClusterView(term=1, master="a", nodes=nodes)
+
+    monkeypatch.setattr(client, "ClusterClient", FakeClient)
+    assert main(["models", "list", "--cluster", "tcp/127.0.0.1:9"]) == 0
+    rows = {line.split("\t")[0]: line.split("\t") for line in capsys.readouterr().out.splitlines()}
+    assert rows["NAME"][-1] == "NODES" and rows["held"][-1] == "node-a"  # node-b is not alive
+    assert main(["models", "show", "held", "--cluster", "tcp/127.0.0.1:9"]) == 0
+    assert "nodes: node-a" in capsys.readouterr().out

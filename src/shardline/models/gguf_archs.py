@@ -12,7 +12,8 @@ Mixture-of-experts layers are stored as 3-D `ffn_*_exps` [experts, out, in], whi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from typing import Any
 
 from shardline.models.errors import UnsupportedModelError
 
@@ -60,8 +61,10 @@ class ArchSpec:
     permute_qk: bool = False
     norm_plus_one: bool = False
     default_rope_theta: float = 10000.0  # only when the GGUF omits rope.freq_base
-    # GGUF tensors that a newer converter writes beside the ones used here (deepseek2's split kv_b).
-    derived: frozenset[str] = field(default_factory=frozenset)
+    # DeepSeek's latent attention: newer converters store kv_b_proj as two halves, attn_k_b (transposed)
+    # and attn_v_b. "joined": the model reads kv_b_proj (rebuilt from the halves where needed);
+    # "halves": the model reads the halves themselves (kv_b_proj only where a file lacks them).
+    mla: str = ""
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -109,7 +112,7 @@ ARCHS: dict[str, ArchSpec] = {
             "attn_kv_b": "self_attn.kv_b_proj",
             "attn_output": "self_attn.o_proj",
         },
-        derived=frozenset({"attn_k_b", "attn_v_b"}),
+        mla="joined",
     ),
     "olmo2": ArchSpec(
         "olmo2",
@@ -128,17 +131,35 @@ ARCHS: dict[str, ArchSpec] = {
     ),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHS)
+# deepseek2 files with sigmoid expert gating (DeepSeek V3, R1, Kimi K2) are mlx-lm's deepseek_v3, which
+# reads the halves of kv_b as its per-head embed_q / unembed_out and has the router's selection bias.
+DEEPSEEK_V3 = replace(
+    ARCHS["deepseek2"],
+    model_type="deepseek_v3",
+    hf_class="DeepseekV3ForCausalLM",
+    layer_names=ARCHS["deepseek2"].layer_names
+    | {
+        "attn_k_b": "self_attn.embed_q",
+        "attn_v_b": "self_attn.unembed_out",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    mla="halves",
+)
+SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 # Expert routers stay float32 even where a file quantized them: some of mlx-lm's routers (deepseek_v2's
 # MoEGate) are plain weights that cannot load quantized, and they are a sliver of the bytes.
 FLOAT_ONLY = frozenset({"ffn_gate_inp", "ffn_gate_inp_shexp"})
 
 
-def arch_spec(arch: str | None) -> ArchSpec:
-    """The spec of a GGUF `general.architecture`, or UnsupportedModelError naming the supported ones."""
+def arch_spec(arch: str | None, meta: dict[str, Any] | None = None) -> ArchSpec:
+    """The spec of a GGUF `general.architecture` (and, where one architecture is two mlx-lm models, of
+    its metadata), or UnsupportedModelError naming the supported ones."""
     if arch not in ARCHS:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if arch == "deepseek2" and (meta or {}).get(f"{arch}.expert_gating_func") == SIGMOID_GATING:
+        return DEEPSEEK_V3
     return ARCHS[arch]
 
 
@@ -148,16 +169,18 @@ def layer_short_name(gguf_name: str) -> str | None:
     return parts[2] if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() else None
 
 
-def hf_name(gguf_name: str, arch: str) -> str:
+def hf_name(gguf_name: str, spec: ArchSpec) -> str:
     """HF/mlx-lm parameter name for a GGUF tensor name (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
-    spec = arch_spec(arch)
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
     if kind in ("weight", "bias"):
         if len(parts) == 1 and parts[0] in GLOBAL_NAMES:
             return f"{GLOBAL_NAMES[parts[0]]}.{kind}"
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in spec.layer_names:
-            return f"model.layers.{parts[1]}.{spec.layer_names[parts[2]]}.{kind}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+            if (whole := f"{parts[2]}.{kind}") in spec.layer_names:  # a parameter, not a module's
+                return f"model.layers.{parts[1]}.{spec.layer_names[whole]}"
+            if parts[2] in spec.layer_names:
+                return f"model.layers.{parts[1]}.{spec.layer_names[parts[2]]}.{kind}"
     raise UnsupportedModelError(
         f"GGUF tensor {gguf_name!r} has no known equivalent in mlx-lm's {spec.model_type}; not supported"
     )

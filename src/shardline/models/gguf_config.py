@@ -146,8 +146,8 @@ def _arch_config(
         if "rope_factors_long.weight" in extras:
             config["rope_scaling"] = {
                 "type": "longrope",
-                "long_factor": [_f32(x) for x in extras["rope_factors_long.weight"]],
-                "short_factor": [_f32(x) for x in extras["rope_factors_short.weight"]],
+                "long_factor": [float(x) for x in extras["rope_factors_long.weight"]],
+                "short_factor": [float(x) for x in extras["rope_factors_short.weight"]],
             }
     if arch in ("qwen2moe", "qwen3moe"):
         config |= _experts(meta, arch)
@@ -180,8 +180,6 @@ def _deepseek2(meta: dict[str, Any], config: dict[str, Any]) -> None:
     """DeepSeek V2's latent attention and experts. Files written for llama.cpp's absorbed MLA store K/V
     lengths as `*_mla` and one KV head; the head sizes of HF's config are those."""
     arch = "deepseek2"
-    if meta.get(f"{arch}.expert_gating_func", 1) != 1:
-        raise UnsupportedModelError("GGUF deepseek2 with sigmoid expert gating (DeepSeek V3): not supported")
     rope = int(meta[f"{arch}.rope.dimension_count"])
     key_len = int(meta.get(f"{arch}.attention.key_length_mla", meta[f"{arch}.attention.key_length"]))
     value_len = int(meta.get(f"{arch}.attention.value_length_mla", meta[f"{arch}.attention.value_length"]))
@@ -205,6 +203,14 @@ def _deepseek2(meta: dict[str, Any], config: dict[str, Any]) -> None:
         "topk_group": int(meta.get(f"{arch}.expert_group_used_count", groups) or groups),
     }
     config.pop("head_dim", None)
+    if config["model_type"] == "deepseek_v3":  # sigmoid gating, the selection bias picking experts
+        config |= {
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        }
+    if config["model_type"] == "deepseek_v3" and "rope_scaling" not in config:
+        return
     # deepseek_v2 always builds its YaRN rope from rope_scaling; factor 1 is plain RoPE.
     scaling = config.get("rope_scaling") or {"type": "yarn", "factor": 1.0}
     scaling.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
@@ -219,7 +225,7 @@ def build_config(
     """HF `config.json` for the model. `shapes`: the HF shape of every weight the import writes (sizes the
     metadata leaves implicit are read off them); `extras`: rope tensors that belong in the config."""
     arch = check_architecture(meta.get("general.architecture"))
-    spec = arch_spec(arch)
+    spec = arch_spec(arch, meta)
     n_heads = int(meta_scalar(meta, f"{arch}.attention.head_count"))
     hidden = int(meta[f"{arch}.embedding_length"])
     # qwen3 (and some llamas) have head_dim != hidden_size / n_heads; the Q weight is authoritative.

@@ -34,7 +34,7 @@ from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
 from shardline.models.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
-from shardline.models.gguf_archs import FLOAT_ONLY, arch_spec, hf_name, is_norm, layer_short_name
+from shardline.models.gguf_archs import FLOAT_ONLY, ArchSpec, arch_spec, hf_name, is_norm, layer_short_name
 from shardline.models.gguf_config import build_config, check_architecture, meta_scalar
 from shardline.models.gguf_quant import GROUP, Form, check_rows, float16_exact, form_for, to_affine
 from shardline.models.gguf_split import SplitGGUF, split_parts
@@ -54,8 +54,8 @@ log = logging.getLogger("shardline.models")
 
 # Bump when the output layout or conversion changes, so cached imports are redone.
 # 2: quantized GGUF matrices stay quantized (MLX affine) by default.
-# 3: more architectures (models/gguf_archs.py), 3-D expert stacks.
-IMPORT_FORMAT_VERSION = 3
+# (More architectures did not change what llama, qwen2 and qwen3 import to.)
+IMPORT_FORMAT_VERSION = 2
 TEMP_PREFIX = ".importing-"
 WEIGHTS = ("quantized", "float32")  # what import_gguf(weights=...) accepts
 DEFAULT_WEIGHTS = "quantized"
@@ -81,33 +81,42 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
-def _joined_kv_b(tensors: dict[str, ReaderTensor]) -> list[ReaderTensor]:
-    """deepseek2's kv_b_proj, per layer, rebuilt (float32) from attn_k_b / attn_v_b where the file stores
-    only those (llama.cpp's converter for absorbed MLA does)."""
-    joined = []
-    for name, k_b in tensors.items():
-        if layer_short_name(name) != "attn_k_b":
-            continue
-        kv_b = name.replace(".attn_k_b.", ".attn_kv_b.")
-        if kv_b not in tensors:
-            v_b = tensors[name.replace(".attn_k_b.", ".attn_v_b.")]
-            joined.append(float_tensor(kv_b, join_kv_b(dequantize_tensor(k_b), dequantize_tensor(v_b))))
-    return joined
+def _mla_plan(tensors: dict[str, ReaderTensor], mla: str) -> tuple[set[str], list[ReaderTensor]]:
+    """DeepSeek's latent attention: the GGUF tensors to leave out, and kv_b tensors to add.
+
+    Newer converters store kv_b_proj as attn_k_b / attn_v_b (older files: attn_kv_b; some both). A model
+    that reads kv_b_proj ("joined") gets it, rebuilt in float32 from the halves where the file lacks it; one
+    that reads the halves ("halves") gets them, and kv_b_proj (which mlx-lm splits) only where they are
+    missing."""
+    skip: set[str] = set()
+    joined: list[ReaderTensor] = []
+    for name, tensor in tensors.items():
+        short = layer_short_name(name)
+        if short == "attn_kv_b" and mla == "halves" and name.replace(".attn_kv_b.", ".attn_k_b.") in tensors:
+            skip.add(name)
+        if short in ("attn_k_b", "attn_v_b") and mla == "joined":
+            skip.add(name)
+            kv_b = name.replace(f".{short}.", ".attn_kv_b.")
+            if short == "attn_k_b" and kv_b not in tensors:
+                v_b = tensors[name.replace(".attn_k_b.", ".attn_v_b.")]
+                whole = join_kv_b(dequantize_tensor(tensor), dequantize_tensor(v_b))
+                joined.append(float_tensor(kv_b, whole))
+    return skip, joined
 
 
 def _tensor_plan(
-    reader: GGUFReader | SplitGGUF, arch: str
+    reader: GGUFReader | SplitGGUF, spec: ArchSpec
 ) -> tuple[list[tuple[str, ReaderTensor]], dict[str, np.ndarray]]:
     """(HF name, GGUF tensor) pairs to write, plus the rope tensors that go to config."""
-    spec = arch_spec(arch)
     plan: list[tuple[str, ReaderTensor]] = []
     extras: dict[str, np.ndarray] = {}
     tensors = {t.name: t for t in reader.tensors}
-    for tensor in [*reader.tensors, *_joined_kv_b(tensors)]:
+    skip, joined = _mla_plan(tensors, spec.mla) if spec.mla else (set(), [])
+    for tensor in [*reader.tensors, *joined]:
         if tensor.name in CONFIG_TENSORS:
             extras[tensor.name] = dequantize_tensor(tensor)
-        elif layer_short_name(tensor.name) not in spec.derived:
-            plan.append((hf_name(tensor.name, arch), tensor))
+        elif tensor.name not in skip:
+            plan.append((hf_name(tensor.name, spec), tensor))
     return plan, extras
 
 
@@ -363,7 +372,7 @@ def import_gguf(
     arch = check_architecture(meta.get("general.architecture"))
     tokenizer = build_tokenizer(meta)
 
-    pairs, extras = _tensor_plan(reader, arch)
+    pairs, extras = _tensor_plan(reader, arch_spec(arch, meta))
     plan = []
     for name, tensor in pairs:
         shape = _hf_layout(name, hf_shape(tensor))

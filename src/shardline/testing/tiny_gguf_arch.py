@@ -92,6 +92,8 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c: dict[str, Any], mla_split: 
         put("attention.sliding_window", c["sliding_window"])
     if arch == "phi3":
         put("rope.dimension_count", int(head_dim * c.get("partial_rotary_factor", 1.0)))
+        if c.get("rope_scaling"):  # longrope: its factors are tensors (written with the weights)
+            put("rope.scaling.original_context_length", c["original_max_position_embeddings"])
     experts = c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts")
     if experts:
         put("expert_count", experts)
@@ -112,7 +114,10 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, c: dict[str, Any], mla_split: 
         put("rope.dimension_count", rope)
         put("expert_shared_count", c["n_shared_experts"])
         put("expert_weights_scale", c["routed_scaling_factor"])
-        put("expert_gating_func", 1)  # softmax
+        v3 = c.get("model_type") == "deepseek_v3"
+        put("expert_gating_func", 2 if v3 else 1)  # sigmoid (DeepSeek V3) or softmax
+        if v3:
+            put("expert_weights_norm", bool(c.get("norm_topk_prob", True)))
         if mla_split:  # as the converter for llama.cpp's absorbed MLA writes it: one latent KV head
             put("attention.head_count_kv", 1)
             put("attention.key_length", c["kv_lora_rank"] + rope)
@@ -129,9 +134,18 @@ def _hf_tensors(
 ) -> dict[str, np.ndarray]:
     """The converter's per-architecture changes, on HF names (experts stay stacked, 3-D)."""
     out: dict[str, np.ndarray] = {}
+    weights = dict(weights)
+    for name in [n for n in weights if n.endswith("embed_q.weight")]:
+        # deepseek_v3 holds kv_b_proj as per-head halves; HF (and so the converter) has it whole.
+        wk = weights.pop(name)  # [heads, kv_lora, nope]
+        wv = weights.pop(name.replace("embed_q", "unembed_out"))  # [heads, v, kv_lora]
+        kv_b = np.concatenate([wk.transpose(0, 2, 1), wv], axis=1).reshape(-1, wk.shape[1])
+        weights[name.replace("embed_q", "kv_b_proj")] = kv_b
     for name, w in weights.items():
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + np.float32(1.0)
+        if name.endswith("e_score_correction_bias"):
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")  # as the converter
         if arch == "deepseek2" and mla_split and name.endswith("kv_b_proj.weight"):
             heads, nope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"]
             kv_b = w.reshape(heads, nope + v, w.shape[-1])
@@ -165,13 +179,18 @@ def write_arch_gguf(
     reference = dict(weights)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
+    scaling = config.get("rope_scaling") or {}
+    if arch == "phi3" and scaling.get("type") == "longrope":
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(scaling[f"{kind}_factor"], np.float32))
     for name, w in _hf_tensors(weights, arch, config, mla_split).items():
         data, raw_dtype = np.ascontiguousarray(w, dtype=np.float32), None
         block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 0
         if qtype is not None and w.ndim in (2, 3) and w.shape[-1] % block == 0 and not keep_float(name):
             data, raw_dtype = gguf.quants.quantize(data, qtype), qtype
-            if name in reference:
-                reference[name] = gguf.quants.dequantize(data, qtype).reshape(w.shape)
+            mlx_name = name.replace("k_b_proj", "embed_q").replace("v_b_proj", "unembed_out")
+            if mlx_name in reference:  # (deepseek_v3's halves are kv_b's, stored as they are)
+                reference[mlx_name] = gguf.quants.dequantize(data, qtype).reshape(w.shape)
         if arch in PERMUTED and (".q_proj." in name or ".k_proj." in name):
             data = llama_cpp_permute(data, heads if ".q_proj." in name else kv_heads)
         writer.add_tensor(gguf_name(name, arch, n_layers), data, raw_dtype=raw_dtype)

@@ -1,4 +1,4 @@
-"""llama.cpp as a reference on this machine: build its `llama-bench` and `llama-perplexity` once, run them.
+"""llama.cpp as a reference here: build `llama-bench`, `llama-perplexity` and `llama-tokenize` once, run them.
 
 The source is the llama.cpp that the `llama-cpp-python` sdist vendors (one pinned version, fetched with pip,
 the ordinary client of the registry), built CPU-only with native instructions into the user's cache. It is
@@ -23,7 +23,7 @@ from pathlib import Path
 from platformdirs import user_cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-BINARIES = ("llama-bench", "llama-perplexity")
+BINARIES = ("llama-bench", "llama-perplexity", "llama-tokenize")
 BUILD_HINT = "shardline bench llama-cpp --build"
 CACHE_ENV = "SHARDLINE_CACHE_DIR"  # the same override as the model cache's
 _CMAKE_FLAGS = (
@@ -33,7 +33,7 @@ _CMAKE_FLAGS = (
     "-DGGML_METAL=OFF",
     "-DGGML_BLAS=OFF",
     "-DGGML_CCACHE=OFF",
-    # Static: the two binaries copied out of the build tree need nothing beside them.
+    # Static: the binaries copied out of the build tree need nothing beside them.
     "-DBUILD_SHARED_LIBS=OFF",
     # Nothing fetched at configure or build time, nothing built that is not needed.
     "-DLLAMA_CURL=OFF",
@@ -63,7 +63,7 @@ def missing_message() -> str:
 
 
 def build(jobs: int | None = None, force: bool = False) -> Path:
-    """Fetch the pinned sdist, build the two tools, keep only them (and how they were built). Returns bin/."""
+    """Fetch the pinned sdist, build the tools, keep only them (and how they were built). Returns bin/."""
     dest = install_dir()
     if not force and all(binary(b) for b in BINARIES):
         return dest / "bin"

@@ -1,110 +1,176 @@
+# ruff: noqa: RUF001  (llama.cpp's regexes and token texts are full of look-alike characters)
 """Rebuild a Hugging Face `tokenizer.json` from the vocabulary stored in a GGUF file.
 
-GGUF keeps byte-level BPE vocabularies in the same byte-to-unicode form as HF
-(`Ġ` for a leading space), so tokens and merges carry over unchanged; only the
-pre-tokenizer has to be chosen from `tokenizer.ggml.pre`, the name llama.cpp
-gives to each family's splitting regex.
+llama.cpp's tokenization of the file is the reference (src/llama-vocab.cpp); the tests compare ours to
+`llama-tokenize`'s ids, recorded in tests/data/tokenizers/. Two kinds of vocabulary:
+
+- byte-level BPE (`tokenizer.ggml.model == "gpt2"`): GGUF keeps tokens and merges in the same
+  byte-to-unicode form as HF (`Ġ` for a leading space), so they carry over unchanged; the pre-tokenizer is
+  chosen from `tokenizer.ggml.pre` (gguf_pretokenizers.py). As llama.cpp, no Unicode normalization.
+- SentencePiece (`"llama"`: llama 2, mistral, gemma, phi-3): rebuilt from tokens, scores and token types
+  (gguf_tokenizer_spm.py).
+
+Special tokens are those llama.cpp splits the text on before tokenizing: control, user-defined and
+unknown tokens, matched in the raw text (llama-tokenize parses special tokens, as HF does by default).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from shardline.models.errors import UnsupportedModelError
+from shardline.models.gguf_pretokenizers import SUPPORTED_PRE, pre_tokenizer_for
+from shardline.models.gguf_tokenizer_spm import spm_decoder, spm_model, spm_normalizer
 
-# llama.cpp token types (gguf.TokenType); CONTROL tokens are the model's special tokens.
+# llama.cpp token types (gguf.TokenType).
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
-# The splitting regexes of the HF tokenizers these `pre` names stand for.
-QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
-SUPPORTED_PRE = ("gpt2", "smollm", "qwen2", *LLAMA3_PRE)
+# Tokens llama.cpp makes control tokens by their text, whatever type the file gives them (end of turn,
+# end of generation, fill-in-the-middle markers: llama_vocab::impl::load).
+FORCED_CONTROL = frozenset(
+    (
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+        "_<EOT>", "[EOT]", "[EOS]", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>",
+        "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<eos>", "<turn|>", "<|tool_response>", "[e~[",
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+        "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>",
+        "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>",
+        "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>", "<|middle|>", "<|fim_pad|>", "<fim-pad>",
+        "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+        "<|file_sep|>",
+    )
+)  # fmt: skip
+# gpt-oss's channel markers, which llama.cpp always renders (user-defined).
+FORCED_USER_DEFINED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+# Phi-3: llama.cpp strips the whitespace after its special tokens, but for these.
+PHI3_NO_RSTRIP = frozenset({"<unk>", "<s>", "<|endoftext|>"})
 
 
-def _pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, normalizers.Normalizer | None]:
-    """Pre-tokenizer (and normalizer, if any) matching llama.cpp's `pre` name."""
-    if pre in ("gpt2", "gpt-2"):
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), None
-    if pre == "smollm":
-        # SmolLM splits every digit on its own, then applies the GPT-2 regex.
-        return (
-            pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            ),
-            None,
-        )
-    regex = QWEN2_REGEX if pre == "qwen2" else LLAMA3_REGEX if pre in LLAMA3_PRE else None
-    if regex is None:
+@dataclass(frozen=True)
+class Specials:
+    """Which tokens are special, and which ids the tokenizer adds around a text, as llama.cpp decides."""
+
+    control: list[int]  # control and unknown tokens: HF special tokens (skipped when decoding)
+    user_defined: list[int]  # split on like special tokens, but decoded as text
+    rstrip: set[int]  # eat the whitespace that follows them (phi-3)
+    bos: int | None
+    eos: int | None
+    add_bos: bool
+    add_eos: bool
+
+
+def _token_id(meta: dict[str, Any], key: str, default: int | None, n: int) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+    return int(value) if value is not None and 0 <= int(value) < n else None
+
+
+def specials(meta: dict[str, Any]) -> Specials:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)
+    spm = meta.get("tokenizer.ggml.model") == "llama"
+    control, user_defined = [], []
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=False)):
+        if tok in FORCED_USER_DEFINED:
+            user_defined.append(i)
+        elif kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN) or tok in FORCED_CONTROL:
+            control.append(i)
+        elif kind == TOKEN_TYPE_USER_DEFINED:
+            user_defined.append(i)
+    rstrip: set[int] = set()
+    name = str(meta.get("general.name", "")).lower()
+    if "phi-3" in name or "phi3" in name:
+        rstrip = {i for i in control + user_defined if tokens[i] not in PHI3_NO_RSTRIP}
+        rstrip |= {i for i, tok in enumerate(tokens) if tok == "</s>"}
+    if spm:
+        default_bos = True
+    else:
+        pre = pre_tokenizer_for(meta.get("tokenizer.ggml.pre", "default"))
+        default_bos = pre is not None and pre.add_bos
+    n = len(tokens)
+    return Specials(
+        control=control,
+        user_defined=user_defined,
+        rstrip=rstrip,
+        # llama.cpp's defaults for SentencePiece vocabularies when the file names none.
+        bos=_token_id(meta, "bos", 1 if spm else None, n),
+        eos=_token_id(meta, "eos", 2 if spm else None, n),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+    )
+
+
+def _bpe(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
+    pre_name = meta.get("tokenizer.ggml.pre") or "default"
+    pre = pre_tokenizer_for(pre_name)
+    if pre is None:
         raise UnsupportedModelError(
-            f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: {', '.join(SUPPORTED_PRE)})"
+            f"GGUF tokenizer pre-tokenizer {pre_name!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_PRE)})"
         )
-    split = pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    # Qwen's HF tokenizer NFC-normalizes its input; llama3's does not.
-    normalizer = normalizers.NFC() if pre == "qwen2" else None
-    return pre_tokenizers.Sequence([split, byte_level]), normalizer
+    merges = []
+    for m in meta.get("tokenizer.ggml.merges", []):
+        cut = m.find(" ", 1)  # as llama.cpp splits them
+        merges.append((m[:cut], m[cut + 1 :]) if cut > 0 else ("", ""))
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # keep the first id if a GGUF repeats a token string
+    model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre.ignore_merges)
+    tok = Tokenizer(model)
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in pre.regexes]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _spm(meta: dict[str, Any], tokens: list[str], unk: int | None) -> Tokenizer:
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok = Tokenizer(spm_model(tokens, scores, tokens[unk] if unk is not None else None))
+    tok.normalizer = spm_normalizer(add_space_prefix)
+    tok.decoder = spm_decoder(add_space_prefix)
+    return tok
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """Build the HF tokenizer described by the `tokenizer.ggml.*` keys of a GGUF file."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModelError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2', is)"
-        )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # keep the first id if a GGUF repeats a token string
-
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
-    pre_tok, normalizer = _pre_tokenizer(pre)
-    tok = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            fuse_unk=False,
-            byte_fallback=False,
-            # llama3 looks a whole word up before merging; llama.cpp does the same for llama-bpe.
-            ignore_merges=pre in LLAMA3_PRE,
-        )
-    )
-    tok.pre_tokenizer = pre_tok
-    if normalizer is not None:
-        tok.normalizer = normalizer
-    tok.decoder = decoders.ByteLevel()
-
-    # Registered as added tokens so that the text "<|im_end|>" is matched whole, never BPE-split.
-    added = [
-        AddedToken(tokens[i], special=t == TOKEN_TYPE_CONTROL, normalized=False)
-        for i, t in enumerate(types)
-        if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-    ]
-    tok.add_special_tokens([a for a in added if a.special])
-    tok.add_tokens([a for a in added if not a.special])
-
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
-        )
+    # llama.cpp names empty tokens so; they cannot be matched anyway.
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(meta["tokenizer.ggml.tokens"])]
+    if kind == "gpt2":
+        tok = _bpe(meta, tokens)
+    elif kind == "llama":
+        tok = _spm(meta, tokens, _token_id(meta, "unknown", 0, len(tokens)))
     else:
+        raise UnsupportedModelError(
+            f"GGUF tokenizer model {kind!r} is not supported "
+            "(supported: 'gpt2', byte-level BPE, and 'llama', SentencePiece)"
+        )
+    sp = specials(meta)
+
+    # Added tokens are matched in the raw text before anything else, so "<|im_end|>" is never split.
+    def added(i: int, special: bool) -> AddedToken:
+        return AddedToken(tokens[i], special=special, normalized=False, rstrip=i in sp.rstrip)
+
+    tok.add_special_tokens([added(i, True) for i in sp.control])
+    tok.add_tokens([added(i, False) for i in sp.user_defined])
+
+    single, pair, ids = "$A:0", "$A:0 $B:1", []
+    if sp.add_bos and sp.bos is not None:
+        single, pair = f"{tokens[sp.bos]}:0 {single}", f"{tokens[sp.bos]}:0 $A:0 {tokens[sp.bos]}:1 $B:1"
+        ids.append((tokens[sp.bos], sp.bos))
+    if sp.add_eos and sp.eos is not None:
+        single, pair = f"{single} {tokens[sp.eos]}:0", f"{pair} {tokens[sp.eos]}:1"
+        ids.append((tokens[sp.eos], sp.eos))
+    if ids:
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=ids)
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
 
@@ -112,19 +178,21 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
 def tokenizer_config(meta: dict[str, Any], context_length: int | None) -> dict[str, Any]:
     """The `tokenizer_config.json` transformers' AutoTokenizer (and so mlx-lm) reads."""
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    sp = specials(meta)
+    spm = meta.get("tokenizer.ggml.model") == "llama"
 
-    def token(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+    def token(key: str, default: int | None = None) -> str | None:
+        idx = _token_id(meta, key, default, len(tokens))
+        return tokens[idx] if idx is not None else None
 
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos"),
-        "eos_token": token("eos"),
-        "unk_token": token("unknown"),
+        "bos_token": tokens[sp.bos] if sp.bos is not None else None,
+        "eos_token": tokens[sp.eos] if sp.eos is not None else None,
+        "unk_token": token("unknown", 0 if spm else None),
         "pad_token": token("padding"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": sp.add_bos,
+        "add_eos_token": sp.add_eos,
         "clean_up_tokenization_spaces": False,
     }
     if context_length:

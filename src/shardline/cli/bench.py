@@ -289,7 +289,7 @@ def add_commands(sub: Any) -> None:
     bsc.add_argument("--tokens", type=int, default=8, help="tokens to generate")
     bsc.set_defaults(func=cmd_bench_scale)
     bl = bsub.add_parser(
-        "llama-cpp", help="build llama.cpp's llama-bench and llama-perplexity (the reference)"
+        "llama-cpp", help="build llama.cpp's llama-bench, llama-perplexity, llama-tokenize (the reference)"
     )
     bl.add_argument("--build", action="store_true", help="fetch and build them now (about 10 minutes)")
     bl.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")

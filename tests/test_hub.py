@@ -62,6 +62,10 @@ def hub(
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    # Loopback only: with telemetry on, huggingface_hub asks the endpoint it was imported with (the real
+    # hub here) for its agent registry when it builds a user agent.
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
     with FakeHub() as running:
         monkeypatch.setenv("HF_ENDPOINT", running.url)
         for repo_id, files in repos.items():
@@ -92,6 +96,8 @@ def test_references_parse_as_the_hub_names_them() -> None:
     assert parse_repo_ref("mlx-community/Qwen3-30B-A3B-4bit") == RepoRef("mlx-community/Qwen3-30B-A3B-4bit")
     assert parse_repo_ref("org/name@v1:q4_k_m") == RepoRef("org/name", "v1", "q4_k_m")
     assert parse_repo_ref("org/name@refs/pr/1") == RepoRef("org/name", "refs/pr/1", None)
+    assert parse_repo_ref("hf.co/org/name:Q4_K_M") == RepoRef("org/name", None, "Q4_K_M")  # as Ollama
+    assert parse_repo_ref("https://huggingface.co/org/name") == RepoRef("org/name")
     for text in (
         "smollm2-135m-instruct",
         "./org/name",
@@ -292,3 +298,28 @@ def test_a_repository_with_no_model_says_what_it_holds(hub: FakeHub) -> None:
     message = one_line_error(ModelNotFoundError, "org/torch:Q4_0")
     assert "no .gguf" in message
     assert isinstance(ModelNotFoundError("x"), ModelError)
+
+
+def test_the_stand_in_hub_runs_as_a_process_and_reports_its_requests(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a multi-node test uses it: `python -m shardline.testing.fake_hub`, its counts over HTTP."""
+    import json
+    import urllib.request
+
+    command = [sys.executable, "-m", "shardline.testing.fake_hub", "--gguf", "org/served"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().split()
+        assert line[:1] == ["FAKE_HUB"], server.stderr.read() if server.stderr else line
+        monkeypatch.setenv("HF_ENDPOINT", line[1])
+        model = get("org/served:Q4_0")
+        assert model.path.name == "Tiny-Q4_0.gguf"
+        with urllib.request.urlopen(f"{line[1]}/_fake/requests", timeout=10) as answer:
+            counts = json.load(answer)
+        assert counts["total"] == 3  # model info, resolve, the CDN's bytes
+        assert all(agent.startswith("shardline/") for agent in counts["by_user_agent"])
+    finally:
+        server.terminate()
+        assert server.wait(30) == 0

@@ -81,10 +81,11 @@ def model_name(repo_id: str, revision: str | None, quant: str | None) -> str:
 
 
 def parse_repo_ref(text: str) -> RepoRef | None:
-    """`org/name[@revision][:QUANT]` as a RepoRef; None for anything else (a path, a known name, ...).
+    """`org/name[@revision][:QUANT]` as a RepoRef, also written `hf.co/...` (as Ollama takes it) or as the
+    hub's web address; None for anything else (a path, a known name, ...).
 
     A relative path of two parts (`models/foo`) parses too: the resolver looks at the disk first."""
-    match = REF.fullmatch(text.strip())
+    match = REF.fullmatch(re.sub(r"^(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)/", "", text.strip()))
     if match is None or any(".." in p or "--" in p for p in (match["org"], match["name"])):
         return None
     rev = match["rev"]
@@ -127,15 +128,12 @@ class _Listed:
 # --- settings, read when called, with huggingface_hub's names and defaults
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
 def offline() -> bool:
     from huggingface_hub import constants
 
     env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    return _truthy(env) if env is not None else bool(constants.HF_HUB_OFFLINE)
+    # huggingface_hub's own reading of the variable (constants._is_true), now rather than at its import
+    return env.strip().upper() in {"1", "ON", "YES", "TRUE"} if env is not None else constants.HF_HUB_OFFLINE
 
 
 def endpoint() -> str:

@@ -323,3 +323,12 @@ def test_the_stand_in_hub_runs_as_a_process_and_reports_its_requests(
     finally:
         server.terminate()
         assert server.wait(30) == 0
+
+
+def test_a_gated_repository_says_so_in_one_line(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub.add_repo("org/gated", {"Gated-Q8_0.gguf": b"weights"})
+    hub.gate("org/gated", "hf_accepted")
+    message = one_line_error(ModelError, "org/gated")
+    assert "org/gated is gated" in message and "HF_TOKEN" in message
+    monkeypatch.setenv("HF_TOKEN", "hf_accepted")
+    assert get("org/gated").path.read_bytes() == b"weights"

@@ -76,6 +76,7 @@ class _Repo:
     commits: dict[str, dict[str, HubFile]] = field(default_factory=dict)  # sha -> files
     refs: dict[str, str] = field(default_factory=dict)  # branch or tag -> sha
     token: str | None = None  # set: private, readable with this bearer token only
+    gate: str | None = None  # set: gated, its files readable with this bearer token only
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,11 @@ class FakeHub:
             repo.commits[sha] = tree
             repo.refs[revision_name] = sha
             return sha
+
+    def gate(self, repo_id: str, token: str) -> None:
+        """Gate `repo_id`: its files go to `token` only (who accepted its terms); others get 401 GatedRepo."""
+        with self._lock:
+            self._repos[repo_id].gate = token
 
     def commit(self, repo_id: str, revision: str = "main") -> str:
         return self._resolve(repo_id, revision)
@@ -323,14 +329,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _serve(self, head: bool) -> None:
             url = urlsplit(self.path)
-            request = Request(
-                self.command,
-                self.path,
-                f"{self.client_address[0]}:{self.client_address[1]}",
-                self.headers.get("User-Agent", ""),
-                self.headers.get("Range"),
-                self.headers.get("Authorization"),
-            )
+            client = f"{self.client_address[0]}:{self.client_address[1]}"
+            sent = [self.headers.get(h) for h in ("Range", "Authorization")]
+            request = Request(self.command, self.path, client, self.headers.get("User-Agent", ""), *sent)
             if url.path != "/_fake/requests":
                 with hub._lock:
                     hub.requests.append(request)
@@ -362,6 +363,8 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if len(parts) >= 5 and parts[2] == "resolve":
                 repo_id = f"{parts[0]}/{parts[1]}"
                 hub._authorized(repo_id, auth)
+                if (gate := hub._repos[repo_id].gate) is not None and auth != f"Bearer {gate}":
+                    raise _Error(401, "GatedRepo", "Access to this model is restricted")
                 with hub._lock:
                     sha, f = hub._file(repo_id, parts[3], "/".join(parts[4:]))
                 return self._resolve_file(repo_id, sha, f, head)

@@ -110,8 +110,8 @@ def test_references_parse_as_the_hub_names_them() -> None:
         assert parse_repo_ref(text) is None, text
     names = {
         "org/name": "org--name",
-        "org/name:q8_0": "org--name+Q8_0",
-        "org/name@v1:Q8_0": "org--name--v1+Q8_0",
+        "org/name:q8_0": "org--name--Q8_0",
+        "org/name@v1:Q8_0": "org--name--v1--Q8_0",
         "org/name@refs/pr/1": "org--name--refs_pr_1",
     }
     for text, name in names.items():
@@ -158,7 +158,7 @@ def test_gguf_quantization_is_chosen_as_llama_cpp_does(hub: FakeHub) -> None:
     )
     assert chosen.path.read_bytes() == hub.files(GGUF)["Tiny-Q8_0.gguf"].data
     assert chosen.digests == {"Tiny-Q8_0.gguf": hub.sha256s(GGUF)["Tiny-Q8_0.gguf"]}
-    assert chosen.model_name == "org--tiny-gguf+Q8_0"
+    assert chosen.model_name == "org--tiny-gguf--Q8_0"
     assert hub.count("Tiny-Q4_0") == 0 and hub.count("Tiny-F32") == 0  # only the quant asked for
 
     default = get(GGUF)  # no Q4_K_M in the repository: the first GGUF

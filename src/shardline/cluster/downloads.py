@@ -90,3 +90,18 @@ def waiting_reason(snap: ClusterState, d: cm.Download) -> str:
     if p is not None and p.total_bytes:
         done = f" ({p.done_bytes / p.total_bytes:.0%} of {p.total_bytes / 1e9:.2f} GB)"
     return f"model {d.model!r} is being downloaded from {d.source} by node {d.node_id}{done}"
+
+
+def wait_on(
+    downloads: Mapping[str, cm.Download], snap: ClusterState, q: cm.Place, at: float, term: int
+) -> tuple[dict[str, cm.Download], cm.MasterReply, cm.ClusterEvent | None]:
+    """The master's answer to a place query for a model no live node holds, named with a source: the
+    downloads after it, the reply (the download to wait on, or why none can run), and the event of a new one."""
+    held, d = ask(downloads, snap, q.model, q.source, q.via, at)
+    if d is None:
+        error = f"model {q.model!r} is on no live node, and no live node may download it"
+        return held, cm.MasterReply(ok=False, error=error, term=term), None
+    reply = cm.MasterReply(ok=False, error=waiting_reason(snap, d), download=d, term=term)
+    new = d.since == at  # asked now, not a running one
+    event = cm.ClusterEvent(at=at, kind="download", node=d.node_id, message=f"{q.model} from {d.source}")
+    return held, reply, event if new else None

@@ -360,18 +360,8 @@ def _place(
 
 def _download(state: MasterState, q: cm.Place, at: float) -> tuple[MasterState, cm.MasterReply, list[Effect]]:
     """No live node holds the model: one node downloads it for everyone; the client asks again after."""
-    snap = state.snapshot.cluster
-    held, d = downloads.ask(state.downloads, snap, q.model, q.source, q.via, at)
-    state = replace(state, downloads=held, dirty=True)
-    if d is None:
-        error = f"model {q.model!r} is on no live node, and no live node may download it"
-        return state, cm.MasterReply(ok=False, error=error, term=state.term), []
-    out: list[Effect] = []
-    if d.since == at:  # asked now, not a running one
-        message = f"{q.model} from {d.source}"
-        out.append(Log(cm.ClusterEvent(at=at, kind="download", node=d.node_id, message=message)))
-    reply = cm.MasterReply(ok=False, error=downloads.waiting_reason(snap, d), download=d, term=state.term)
-    return state, reply, out
+    held, reply, event = downloads.wait_on(state.downloads, state.snapshot.cluster, q, at, state.term)
+    return replace(state, downloads=held, dirty=True), reply, [Log(event)] if event is not None else []
 
 
 # ---- controllers' updates ------------------------------------------------------------------------------

@@ -61,11 +61,12 @@ class RepoRef:
 
     @property
     def model_name(self) -> str:
-        """A cache-safe model name (registry.NAME_PATTERN, no slash), one per reference.
+        """A model name that may cross the cluster's wire (trust/names.py: no slash, no `+`, 128 characters at
+        most), one per reference.
 
-        `org/name` -> `org--name` (as the HF cache names it; the hub forbids `--` inside names, so the split
-        is unambiguous), `@rev` -> `--rev` (characters outside [A-Za-z0-9._-] become `_`), `:QUANT` ->
-        `+QUANT` (upper case, as tags compare): `org/name@v1:q8_0` -> `org--name--v1+Q8_0`."""
+        `org/name` -> `org--name` (as the HF cache names it; the hub forbids `--` inside names), `@rev` ->
+        `--rev` (characters outside [A-Za-z0-9._-] become `_`), `:QUANT` -> `--QUANT` (upper case, as tags
+        compare): `org/name@v1:q8_0` -> `org--name--v1--Q8_0`."""
         return model_name(self.repo_id, self.revision, self.quant)
 
 
@@ -74,9 +75,9 @@ def model_name(repo_id: str, revision: str | None, quant: str | None) -> str:
     if revision:
         name += "--" + re.sub(r"[^A-Za-z0-9._-]", "_", revision)
     if quant:
-        name += "+" + quant.upper()
-    if len(name) > 200:  # NAME_PATTERN's bound: keep a readable head and make it unique again
-        name = name[:183] + "+" + hashlib.sha256(name.encode()).hexdigest()[:16]
+        name += "--" + quant.upper()
+    if len(name) > 128:  # the wire's bound (trust/names.py): keep a readable head and make it unique again
+        name = name[:111] + "-" + hashlib.sha256(name.encode()).hexdigest()[:16]
     return name
 
 

@@ -440,13 +440,7 @@ class Node:
             )
 
     def report(self) -> cm.NodeReport:
-        held = 0
-        if self.agent is not None:
-            for _, _, pid, _ in self.agent.held():
-                try:
-                    held += psutil.Process(pid).memory_info().rss
-                except psutil.Error:
-                    pass
+        held = rss_of(pid for _, _, pid, _ in self.agent.held()) if self.agent is not None else 0
         state = self.state
         term, instances = state.term, state.instances()
         config, ballot_term = cs.config_key(state.membership), cs.known_term(state)

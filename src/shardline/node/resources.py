@@ -9,6 +9,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -115,6 +116,17 @@ def resources(
         read_gbps=read_gbps,
         disk_free=_disk_free(models_root) if models_root is not None else 0,
     )
+
+
+def rss_of(pids: Iterable[int]) -> int:
+    """Resident bytes of these processes together (one that is gone counts nothing)."""
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    return total
 
 
 def _disk_free(path: Path) -> int:

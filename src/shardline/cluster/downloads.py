@@ -96,7 +96,7 @@ def wait_on(
     downloads: Mapping[str, cm.Download], snap: ClusterState, q: cm.Place, at: float, term: int
 ) -> tuple[dict[str, cm.Download], cm.MasterReply, cm.ClusterEvent | None]:
     """The master's answer to a place query for a model no live node holds, named with a source: the
-    downloads after it, the reply (the download to wait on, or why none can run), and the event of a new one."""
+    downloads after it, the reply (the download to wait on, or why none can run), and a new one's event."""
     held, d = ask(downloads, snap, q.model, q.source, q.via, at)
     if d is None:
         error = f"model {q.model!r} is on no live node, and no live node may download it"

@@ -6,6 +6,9 @@ period and holds a liveliness token; it folds what it hears into a ClusterState 
 `apply(state, event) -> (state, effects)`) and carries out the effects: send ballots, log cluster events,
 take or drop the master role; it kills runners that the newest view no longer lists. Everything the master
 knows can be rebuilt from these reports within one period.
+
+Over 500 lines: the wiring of every duty a node has (election, reports, weights, downloads, the master role,
+the API); each duty's logic lives in its own module.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zenoh
 
 from shardline.api.service import ApiSettings
@@ -40,7 +42,14 @@ from shardline.node.config import NodeConfig, concrete_endpoint
 from shardline.node.downloads import Downloads
 from shardline.node.durable import ELECTION_FILE, load_election, save_election
 from shardline.node.holdings import LocalModels
-from shardline.node.resources import compute_score, device_kind, node_identity, read_bandwidth, resources
+from shardline.node.resources import (
+    compute_score,
+    device_kind,
+    node_identity,
+    read_bandwidth,
+    resources,
+    rss_of,
+)
 from shardline.trust.refusals import refuse
 from shardline.trust.seal import Checker, Sealer, certificate_name
 from shardline.trust.seal import register as register_sealer

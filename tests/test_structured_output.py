@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
@@ -19,6 +19,7 @@ import ollama
 import openai
 import pytest
 from conftest import api_state, place_and_wait_ready, serving_cluster
+from pydantic import BaseModel, Field
 
 from shardline.testing.cluster import LocalCluster
 
@@ -752,6 +753,71 @@ def test_bad_tools_on_anthropic_and_ollama_get_their_own_400s(api):
     ):
         r = httpx.post(api + path, json={**msg, "stream": False, **extra}, timeout=60)
         assert r.status_code == 400 and "format" in r.json()["error"], r.text
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    country: Literal["FR", "DE", "UK", "US"]
+
+
+class Person(BaseModel):  # as instructor and the OpenAI SDK's users send it: no additionalProperties
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    home: Address
+    nickname: str | None = Field(None, max_length=12)
+
+
+READ = "Ann Lee is 34 and lives in Paris, France. Extract her details."
+
+
+def _only_named_keys(args: dict[str, Any]) -> None:
+    person = Person.model_validate(args)
+    assert set(args) <= set(Person.model_fields) and set(args["home"]) <= set(Address.model_fields), args
+    assert person.home.country in ("FR", "DE", "UK", "US")
+
+
+@pytest.mark.timeout(300)
+def test_a_pydantic_model_without_additional_properties_finishes_as_a_tool_call_and_as_a_format(oai):
+    """Objects closed by default: the schema names its keys and nothing else, so the default model writes
+    them and stops (open, it adds keys until max_tokens), and a named function is called once."""
+    schema = Person.model_json_schema()
+    assert "additionalProperties" not in json.dumps(schema), schema
+    tool = {"type": "function", "function": {"name": "Person", "parameters": schema}}
+    named = {"type": "function", "function": {"name": "Person"}}
+    called = _chat(oai, READ, tools=[tool], tool_choice=named, temperature=0, max_tokens=200)
+    c = called.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    assert len(c.message.tool_calls) == 1
+    _only_named_keys(json.loads(c.message.tool_calls[0].function.arguments))
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "Person", "schema": schema}}
+    answered = _chat(oai, READ, response_format=fmt, temperature=0, max_tokens=200)
+    assert answered.choices[0].finish_reason == "stop", answered.choices[0].message.content
+    _only_named_keys(json.loads(answered.choices[0].message.content))
+
+
+@pytest.mark.timeout(300)
+def test_a_schema_that_allows_other_keys_still_gets_them(oai):
+    """patternProperties and additionalProperties are the schema's own say: with at least one key more
+    than it names required (minProperties), the output holds one, of the form the schema gives."""
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    counts = {"type": "object", "properties": {}, "patternProperties": {"^[a-z]{1,8}$": digit}}
+    counts |= {"additionalProperties": False, "minProperties": 1, "maxProperties": 2}
+    fmt = {"type": "json_schema", "json_schema": {"name": "counts", "schema": counts}}
+    answered = _chat(oai, "Count the fruit: two apples, one pear.", response_format=fmt, temperature=0)
+    assert answered.choices[0].finish_reason == "stop"
+    out = json.loads(answered.choices[0].message.content)
+    assert 1 <= len(out) <= 2 and all(0 <= v <= 9 for v in out.values()), out
+
+    city = {"type": "string", "maxLength": 12}
+    params = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+    params |= {"additionalProperties": digit, "minProperties": 2, "maxProperties": 2}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    called = _chat(oai, ASK, tools=[tool], tool_choice="required", temperature=0, parallel_tool_calls=False)
+    c = called.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    args = json.loads(c.message.tool_calls[0].function.arguments)
+    assert len(args) == 2 and "city" in args, args
 
 
 @pytest.mark.timeout(400)

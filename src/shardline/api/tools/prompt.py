@@ -152,12 +152,16 @@ def plan_constraint(
     plan: ToolPlan | None, text: Constraint | None, objects: Objects = "closed"
 ) -> Constraint | None:
     """The answer's grammar (a Lark grammar for llguidance): under `required` one call (or several when
-    parallel) of the allowed tools, each valid against its parameters (their objects `closed` or `open`:
-    constraints.Objects); under `auto` that or text, where text is anything that does not begin with the
-    wrapper, or JSON of `text`'s schema when given. None (no tools to call) leaves `text` as it is."""
+    parallel and no function is named) of the allowed tools, each valid against its parameters (their
+    objects `closed` or `open`: constraints.Objects); under `auto` that or text, where text is anything
+    that does not begin with the wrapper, or JSON of `text`'s schema when given. None (no tools to call)
+    leaves `text` as it is."""
     if plan is None or not plan.calling:
         return text
-    calls = ["calls: call", 'calls: call ("\\n" call)*'][plan.parallel]
+    # A named function is called once (as vLLM's named tool choice does): given room for more, a small
+    # model calls it again and again until max_tokens.
+    several = plan.parallel and plan.name is None
+    calls = ["calls: call", 'calls: call ("\\n" call)*'][several]
     schema = {"anyOf": [call_schema(t, objects) for t in plan.allowed]}
     rules = [calls, f'call: "{OPEN}\\n" body "\\n{CLOSE}"', f"body: {_json_rule(schema)}"]
     if plan.mode == "required":

@@ -87,6 +87,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_extract(args: argparse.Namespace) -> int:
+    from shardline.bench.extract import CLIENTS, run
+
+    positive(args.max_tokens, "--max-tokens")
+    positive(args.concurrency, "--concurrency")
+    clients = tuple(args.clients.split(",")) if args.clients else CLIENTS
+    run(args.model, args.json, args.max_tokens, args.concurrency, clients, args.tasks)
+    return 0
+
+
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from shardline.bench.quality import run
 
@@ -240,6 +250,17 @@ def add_commands(sub: Any) -> None:
     bs.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bs.add_argument("--pairs", type=int, default=3, help="alternating HTTP / Python API rounds")
     bs.set_defaults(func=cmd_bench_serve)
+    bx = bsub.add_parser(
+        "extract",
+        help="share of instructor, langchain and pydantic-ai extractions that finish, open/closed",
+    )
+    bx.add_argument("--model", default=None, help=MODEL_HELP)
+    bx.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bx.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
+    bx.add_argument("--concurrency", type=int, default=4, help="extractions in flight at once")
+    bx.add_argument("--clients", default=None, help="comma-separated subset of the clients (default: all)")
+    bx.add_argument("--tasks", type=int, default=None, help="only the first N tasks")
+    bx.set_defaults(func=cmd_bench_extract)
     bq = bsub.add_parser(
         "quality", help="perplexity of a text through the engine's stages, scored as llama-perplexity"
     )

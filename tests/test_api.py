@@ -547,13 +547,15 @@ def _cap_generation(case: Any, name_the_model: bool) -> None:
         return
     if name_the_model and "model" in body and case.path != "/instances":
         body["model"] = MODEL
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value > 4:
             body[key] = 4
     unbounded = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     if case.path in ("/v1/chat/completions", "/v1/completions") and unbounded:
         body["max_tokens"] = 4  # absent or null: up to the whole context
+    if case.path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 4
     if case.path in ("/api/chat", "/api/generate"):
         opts = body.get("options")
         if opts is None:

@@ -328,6 +328,16 @@ BAD = [
     ({"model": MODEL, "input": "Hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
     ({"model": MODEL, "input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
     ({"model": MODEL, "input": "Hi", "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        {"model": MODEL, "input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function"}},
+        400,
+        "tool_choice",
+    ),
+    (
+        {"model": MODEL, "input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}},
+        400,
+        "tool_choice",
+    ),
     ({"model": MODEL, "input": "Hi", "background": True}, 400, "background"),
     ({"model": MODEL, "input": "Hi", "text": {"format": {"type": "yaml"}}}, 400, "text"),
     ({"model": MODEL, "input": "Hi", "max_output_tokens": 10**9}, 400, "max_output_tokens"),

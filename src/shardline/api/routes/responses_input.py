@@ -118,11 +118,15 @@ def responses_tools(tools: list[dict[str, Any]] | None) -> tuple[Tool, ...]:
 
 
 def responses_plan(req: ResponsesRequest, tools: tuple[Tool, ...]) -> ToolPlan | None:
+    """tool_choice `auto` / `none` / `required` or `{"type": "function", "name"}` (the chat form's
+    function object flattened); allowed_tools and built-in tools' choices are refused."""
     choice: Any = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
             raise unsupported("tool_choice", f"tool_choice of type {choice.get('type')!r}")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise bad_request('tool_choice {"type": "function"} needs the name of a function', "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
     return openai_plan(tools, choice, req.parallel_tool_calls)
 
 

@@ -86,6 +86,7 @@ def test_a_model_no_node_holds_is_downloaded_once_and_the_others_copy_it(hub_clu
     assert origins(hub) == {downloader}, hub.counts()
     requests = len(hub.requests)
     assert requests > 0
+    print(f"hub requests, all from {downloader}: {requests}: {hub.counts()['by_path']}")
     assert sorted(s.node_id for s in rec.stages) == IDS
     held = {n: local_models(cluster.node_models[n]).get(name) for n in IDS}
     assert held[downloader] is not None and held[downloader].full

@@ -3,6 +3,7 @@
 cli/local.py     generate (a local pipeline, or --cluster), up (a local cluster of node daemons)
 cli/cluster.py   node (this machine's daemon), cluster init|add-node|revoke|forget, place
 cli/models.py    models pull|list|synth
+cli/run.py       run (chat with a model, or answer one prompt; cli/chat_terminal.py)
 cli/bench.py     bench engine|arch|tp|attention|chaos|resume|cluster|serve|quality|scale|llama-cpp|soak
 """
 
@@ -13,7 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from shardline.cli import bench, cluster, local, models
+from shardline.cli import bench, cluster, local, models, run
 from shardline.cli.common import CliError
 
 DESCRIPTION = "The `shardline` command."
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO level)")
     sub = parser.add_subparsers(dest="command", required=True)
     # In the order `shardline --help` lists them.
+    run.add_run(sub)
     local.add_generate(sub)
     cluster.add_node(sub)
     local.add_up(sub)

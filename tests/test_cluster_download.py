@@ -12,12 +12,13 @@ import pytest
 from shardline.cluster import messages as cm
 from shardline.cluster.client import ClusterError
 from shardline.cluster.placement import PlacementRequest
+from shardline.models.hub import CHUNK_BYTES
 from shardline.models.store.manifest import local_models
 from shardline.testing import arch_zoo
 from shardline.testing.cluster import LocalCluster
 from shardline.testing.fake_hub import FakeHub, mlx_repo_files
 from shardline.testing.reference import Reference
-from tests.conftest import assert_no_runner_left, random_prompt
+from tests.conftest import assert_no_runner_left, random_prompt, wait_for
 
 IDS = ["d1", "d2", "d3"]
 REPO = "org/tiny-llama"
@@ -30,6 +31,7 @@ def origins(hub: FakeHub) -> set[str]:
 
 
 SIZES = {"num_hidden_layers": 6}
+HELD_BYTES = 1_100_000  # the hub holds the download that is resumed here: one chunk (1 MiB) is on disk
 
 
 @pytest.fixture
@@ -109,3 +111,32 @@ def test_a_model_no_node_holds_is_downloaded_once_and_the_others_copy_it(hub_clu
         client.place("org--absent", THREE, source="org/absent")
     message = str(err.value)
     assert "downloading org/absent on node" in message and "\n" not in message, message
+
+    # The downloader dies mid-file: back, it finds the download in the view and resumes the partial file
+    # (a range request from where it stopped); still no other node asks the hub.
+    other = "org/tiny-two"
+    hub.add_repo(other, mlx_repo_files("llama", seed=4, sizes=SIZES))
+    weights = hub.files(other)["model.safetensors"]
+    reached = hub.hold_after(other, "model.safetensors", HELD_BYTES)
+    api3 = cluster.nodes["d3"].api
+    early = httpx.post(api3 + "/v1/completions", json=body | {"model": other}, timeout=60)
+    assert early.status_code == 503, early.text
+    assert reached.wait(60), "the download reached the hub"
+    blobs = tmp_path / "d3" / "hf" / "hub" / "models--org--tiny-two" / "blobs"
+    partial = blobs / f"{weights.sha256}.incomplete"
+    wait_for(lambda: partial.is_file() and partial.stat().st_size >= CHUNK_BYTES, 30, "the partial file")
+    cluster.nodes["d3"].kill()
+    have = partial.stat().st_size
+    hub.release(other, "model.safetensors")
+    client.wait(lambda v: "d3" not in cluster.alive_ids(v), 30, "d3 gone")
+    cluster.nodes["d3"].start()
+    client.wait(lambda v: "d3" in cluster.alive_ids(v), 60, "d3 back")
+    name2, _ = named(other)
+    placed = client.place(name2, THREE, source=other).instance
+    assert placed is not None
+    rec2 = client.wait_ready(placed.instance, 120)
+    asked = [r for r in hub.requests if other in r.path]
+    assert {n for r in asked for n in IDS if f"node-{n}" in r.user_agent} == {"d3"}
+    gets = [r for r in asked if r.path.endswith("/model.safetensors") and "_cdn" in r.path]
+    assert len(gets) == 2 and gets[1].range == f"bytes={have}-", [(r.path, r.range) for r in gets]
+    assert sorted(s.node_id for s in rec2.stages) == IDS

@@ -167,6 +167,9 @@ def train_spm(*, user_defined: list[str], control: list[str], vocab_size: int = 
     }
 
 
+WHOLE_WORDS = (" HTTPServerError", " parseJSONValue", "東京は", " übermäßig", "Hello")
+
+
 def train_bpe(*, specials: list[tuple[str, int]], vocab_size: int = 1400) -> dict[str, Any]:
     """A byte-level BPE vocabulary whose merges cross letter, digit and punctuation boundaries (trained on
     whitespace-separated words), so that each pre-tokenizer's splitting changes the ids."""
@@ -186,6 +189,12 @@ def train_bpe(*, specials: list[tuple[str, int]], vocab_size: int = 1400) -> dic
     state = json.loads(tok.to_str())["model"]
     tokens = sorted(state["vocab"], key=state["vocab"].get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in state["merges"]]
+    # Whole words no merge makes: llama3 and tekken look a piece up whole before merging, others never.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for word in WHOLE_WORDS:
+        (piece, _), *_ = byte_level.pre_tokenize_str(word)
+        if piece not in tokens:
+            tokens.append(piece)
     types = [1] * len(tokens)
     for text, kind in specials:
         tokens.append(text)

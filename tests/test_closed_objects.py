@@ -140,3 +140,18 @@ def test_closing_keeps_the_schema_text_of_an_already_closed_schema() -> None:
     schema = {**A, "additionalProperties": False, "properties": {"a": {"type": "integer"}, "n": B}}
     schema["properties"]["n"] = {**B, "additionalProperties": False}
     assert json_schema(schema, ()).source == json.dumps(schema)
+
+
+def test_every_bench_extract_task_compiles_closed_and_open_as_a_format_and_a_tool() -> None:
+    from shardline.bench.extract import TASKS, unnamed_keys
+
+    for task in TASKS:
+        schema = task.model.model_json_schema()
+        fmt = {"type": "json_schema", "json_schema": {"name": task.name, "schema": schema}}
+        plan = ToolPlan((Tool(task.model.__name__, "", schema),), "required", task.model.__name__, False)
+        for objects in ("closed", "open"):
+            assert problem(constraint_of(fmt, objects)) is None, task.name  # type: ignore[arg-type]
+            assert problem(plan_constraint(plan, None, objects)) is None, task.name  # type: ignore[arg-type]
+    person, model = '{"name": "Ann", "age": 3', TASKS[0].model
+    assert not unnamed_keys(person + "}", model) and unnamed_keys(person + ', "x": 1}', model)
+    assert not unnamed_keys("not json", model)

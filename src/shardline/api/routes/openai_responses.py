@@ -303,9 +303,10 @@ def router(service: Service, store: ResponseStore | None = None) -> APIRouter:
         assert req.input is not None
         history += conversation_of(req.input)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
-        constraint = format_constraint(req)
+        objects = service.settings.structured_objects
+        constraint = format_constraint(req, objects)
         if calling:
-            constraint = plan_constraint(plan, constraint)
+            constraint = plan_constraint(plan, constraint, objects)
         param = "tools" if calling else "text"
         sampling = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,

@@ -13,7 +13,7 @@ from shardline.api.limits import check_tools
 from shardline.api.response_format import constraint_of
 from shardline.api.routes.responses_schema import ResponsesRequest
 from shardline.api.tools.prompt import Tool, ToolPlan, history_call, openai_plan, tool_of
-from shardline.compute.constraints import Constraint
+from shardline.compute.constraints import Constraint, Objects
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -130,8 +130,9 @@ def responses_plan(req: ResponsesRequest, tools: tuple[Tool, ...]) -> ToolPlan |
     return openai_plan(tools, choice, req.parallel_tool_calls)
 
 
-def format_constraint(req: ResponsesRequest) -> Constraint | None:
-    """`text.format` as response_format's constraint (the same grammar), errors naming text.format."""
+def format_constraint(req: ResponsesRequest, objects: Objects = "closed") -> Constraint | None:
+    """`text.format` as response_format's constraint (the same grammar, objects closed or open as the node
+    keeps them), errors naming text.format."""
     fmt = req.text.format if req.text is not None else None
     if fmt is None:
         return None
@@ -144,7 +145,7 @@ def format_constraint(req: ResponsesRequest) -> Constraint | None:
             f"text.format type {kind!r} is not one of 'text', 'json_object', 'json_schema'", "text"
         )
     try:
-        return constraint_of(fmt)
+        return constraint_of(fmt, objects)
     except ApiError as exc:
         exc.message = exc.message.replace("response_format.json_schema.", "text.format.")
         exc.message = exc.message.replace("response_format", "text.format")

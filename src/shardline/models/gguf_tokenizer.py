@@ -35,8 +35,8 @@ TOKEN_TYPE_USER_DEFINED = 4
 # end of generation, fill-in-the-middle markers: llama_vocab::impl::load).
 FORCED_CONTROL = frozenset(
     (
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-        "_<EOT>", "[EOT]", "[EOS]", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>",
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "</s>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+        "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<｜end▁of▁sentence｜>", "<end_of_utterance>", "<|eom_id|>",
         "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<eos>", "<turn|>", "<|tool_response>", "[e~[",
         "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
         "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>",
@@ -74,9 +74,21 @@ def specials(meta: dict[str, Any]) -> Specials:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)
     spm = meta.get("tokenizer.ggml.model") == "llama"
+    present = set(tokens)
+    forced_user, forced_normal = set(FORCED_USER_DEFINED), set()
+    # gpt-oss (o200k_harmony) and solar-open: their "<|end|>" does not end generation; it is user-defined.
+    if "<|end|>" in present and (
+        {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present
+    ):
+        forced_user.add("<|end|>")
+    # gemma4 and plamo: "</s>" is a normal token.
+    if "</s>" in present and present & {"<|tool_response>", "<|plamo:eos|>"}:
+        forced_normal.add("</s>")
     control, user_defined = [], []
     for i, (tok, kind) in enumerate(zip(tokens, types, strict=False)):
-        if tok in FORCED_USER_DEFINED:
+        if tok in forced_normal:
+            continue
+        if tok in forced_user:
             user_defined.append(i)
         elif kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN) or tok in FORCED_CONTROL:
             control.append(i)

@@ -110,6 +110,7 @@ SPECIAL_TEXTS: dict[str, tuple[str, ...]] = {
     "bpe.gguf": (
         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
         "text<tool_call>{}</tool_call> <|endoftext|>",
+        "done</s> next",
     ),
     "spm.gguf": ("<s>[INST] hello [/INST]</s>", "a<sep>b <sep> c"),
     "gemma.gguf": ("<start_of_turn>user\nHi\n\n  there<end_of_turn>\n<start_of_turn>model\n",),
@@ -261,11 +262,13 @@ def make_vocabularies(into: Path) -> None:
             ("<|im_end|>", control),
             ("<tool_call>", user),
             ("</tool_call>", user),
+            # Typed normal, but llama.cpp makes it a control token by its text.
+            ("</s>", gguf.TokenType.NORMAL),
         ]
     )
     n = len(bpe["tokens"])
     write_vocab_gguf(
-        into / "bpe.gguf", "tiny-bpe", "gpt2", bpe, pre="gpt-2", bos_token_id=n - 4, eos_token_id=n - 3
+        into / "bpe.gguf", "tiny-bpe", "gpt2", bpe, pre="gpt-2", bos_token_id=n - 5, eos_token_id=n - 4
     )
     spm = train_spm(user_defined=["<sep>"], control=["[INST]", "[/INST]"])
     write_vocab_gguf(

@@ -21,6 +21,7 @@ from shardline.cli.chat_terminal import Answer, chat, read_message
 
 MODEL = "smollm2-135m-instruct"
 RUN = [sys.executable, "-m", "shardline", "run"]
+GREEDY = ["--temperature", "0", "--repetition-penalty", "1"]  # the texts the tests expect
 
 
 def _running(api: str) -> int:
@@ -36,7 +37,7 @@ def _running(api: str) -> int:
 def test_chat_in_a_terminal_streams_stops_on_ctrl_c_and_leaves_nothing_running(model_dir):
     child = pexpect.spawn(
         RUN[0],
-        [*RUN[1:], "--port", "0", "--temperature", "0", "--max-tokens", "3000", MODEL],
+        [*RUN[1:], "--port", "0", *GREEDY, "--max-tokens", "3000", MODEL],
         encoding="utf-8",
         timeout=240,
         dimensions=(50, 200),
@@ -101,8 +102,7 @@ def test_one_prompt_through_a_running_cluster_leaves_it_running(joined):
         *RUN,
         "--cluster",
         api,
-        "--temperature",
-        "0",
+        *GREEDY,
         "--max-tokens",
         "24",
         MODEL,

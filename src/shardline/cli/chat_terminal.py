@@ -24,15 +24,17 @@ BLOCK = '"""'
 
 @dataclass(frozen=True)
 class ChatSampling:
+    """What each answer is sampled with (None: the node's default)."""
+
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     max_tokens: int | None = None
 
     def body(self) -> dict[str, Any]:
-        fields = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
-        fields["max_tokens"] = self.max_tokens
-        return {k: v for k, v in fields.items() if v is not None}
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass
@@ -55,6 +57,14 @@ class ChatStream:
     def answer(self, messages: list[dict[str, str]], write: Callable[[str], None]) -> Answer:
         """Stream the next assistant turn to `write`. Ctrl-C ends it early: leaving the block closes the
         connection, and a node cancels a request whose client went away."""
+        import httpx
+
+        try:
+            return self._answer(messages, write)
+        except httpx.HTTPError as exc:
+            raise CliError(f"the node: {exc}") from exc
+
+    def _answer(self, messages: list[dict[str, str]], write: Callable[[str], None]) -> Answer:
         body = {
             "model": self.model,
             "messages": messages,

@@ -45,8 +45,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         _cluster(args, creds) as (url, target),
         httpx.Client(base_url=url, headers=api_headers(), timeout=httpx.Timeout(30.0, read=600.0)) as http,
     ):
-        model = place(http, target, args.timeout)
-        sampling = ChatSampling(args.temperature, args.top_p, args.seed, args.max_tokens)
+        try:
+            model = place(http, target, args.timeout)
+        except httpx.HTTPError as exc:
+            raise CliError(f"the node at {url}: {exc}") from exc
+        sampling = ChatSampling(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+        )
         stream = ChatStream(http, model, sampling)
         if prompt is not None:
             return answer_once(stream, prompt, args.system)
@@ -354,7 +364,7 @@ class Waiting:
             sys.stderr.flush()
 
     def __exit__(self, *exc: object) -> None:
-        if self.tty:
+        if self.tty and self.last:
             sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()
 
@@ -407,8 +417,13 @@ def add_run(sub: Any) -> None:
         "(0: always start one, on any free port)",
     )
     run.add_argument("--system", default=None, help="a system prompt that opens the conversation")
-    run.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy)")
-    run.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much mass")
+    # Ollama's defaults, a little cooler: at the node's (1.0, the whole distribution) a small model drifts.
+    run.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
+    run.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling: keep this much mass")
+    run.add_argument("--top-k", type=int, default=40, help="sample among this many best tokens (0: all)")
+    run.add_argument(
+        "--repetition-penalty", type=float, default=1.1, help="penalise tokens already seen (1: none)"
+    )
     run.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     run.add_argument(
         "--max-tokens", type=int, default=None, help="most tokens per answer (default: until the model stops)"

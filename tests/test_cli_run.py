@@ -4,6 +4,7 @@ joins, and a bad model reference in one line. The chat loop's own rules against 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -123,6 +124,36 @@ def test_one_prompt_through_a_running_cluster_leaves_it_running(joined):
     errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("shardline: error:")]
     assert bad.returncode != 0 and len(errors) == 1 and "no-such-model" in errors[0], bad.stderr
     assert not bad.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_hub_repository_is_downloaded_by_the_node_it_starts(tmp_path):
+    """A hub reference no node holds: the one-node cluster's node downloads it (from a stand-in hub) into
+    its cache and serves it; run itself fetches nothing."""
+    from shardline.testing.fake_hub import FakeHub, mlx_repo_files
+
+    env = {
+        **os.environ,
+        "SHARDLINE_CACHE_DIR": str(tmp_path / "cache"),
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    with FakeHub() as hub:
+        hub.add_repo("testorg/tiny", mlx_repo_files())
+        env["HF_ENDPOINT"] = hub.url
+        done = subprocess.run(
+            [*RUN, "--port", "0", "--max-tokens", "4", "testorg/tiny", "hello"],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            env=env,
+        )
+        resolved = hub.count("/resolve/")
+    assert done.returncode == 0, done.stderr
+    assert "started a one-node cluster" in done.stderr and done.stdout.strip()
+    assert resolved > 0
+    assert any((tmp_path / "cache" / "models").iterdir()), "nothing downloaded into the node's cache"
 
 
 @pytest.mark.timeout(60)

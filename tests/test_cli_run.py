@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -86,6 +87,24 @@ def test_chat_in_a_terminal_streams_stops_on_ctrl_c_and_leaves_nothing_running(m
             child.terminate(force=True)
     assert_no_runner_left(pids, within_s=30)
     assert state_dir is not None and not state_dir.exists(), "the node's state directory is left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigterm_stops_the_cluster_it_started():
+    child = pexpect.spawn(RUN[0], [*RUN[1:], "--port", "0", MODEL], encoding="utf-8", timeout=180)
+    try:
+        child.expect_exact(">>> ")
+        node = next(p for p in psutil.Process(child.pid).children() if "node" in p.cmdline())
+        pids = [node.pid, *(p.pid for p in node.children(recursive=True))]
+        child.kill(signal.SIGTERM)
+        child.expect(pexpect.EOF, timeout=60)
+        child.wait()
+        assert child.signalstatus is None and child.exitstatus == 128 + signal.SIGTERM
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    assert_no_runner_left(pids, within_s=30)
 
 
 @pytest.fixture(scope="module")

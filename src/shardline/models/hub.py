@@ -43,7 +43,7 @@ _QUANT_TAG = re.compile(
     r"(?:^|[-_.])((?:I?Q\d+(?:_[A-Z0-9]+)*)|BF16|F16|F32|FP16|FP32|MXFP4(?:_MOE)?|TQ\d_\d)(?=[-_.]|$)",
     re.IGNORECASE,
 )
-CHUNK_BYTES = 1 << 20  # what a download writes at a time (and so what a crash may lose)
+CHUNK_BYTES = 1 << 20  # a download writes this at a time: a process killed mid-file loses at most that
 _SHA1 = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -406,9 +406,7 @@ def _download(
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.file_download import http_get
 
-    # Each chunk reaches the partial file as it arrives: a process killed mid-file loses at most one, and
-    # its successor resumes from there (huggingface_hub's 10 MiB chunks would lose up to 10 MiB).
-    constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)
+    constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)  # lose 1 MiB, not 10
     storage = storage_dir(ref.repo_id)
     etag = _etag(entry)
     blob = storage / "blobs" / etag

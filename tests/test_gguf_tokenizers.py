@@ -1,9 +1,9 @@
 """Our GGUF tokenizers against llama.cpp's tokenization of the same vocabularies and strings.
 
-tests/data/tokenizers/ holds tiny vocabulary GGUFs (SentencePiece: llama, gemma, phi-3; one byte-level
-BPE, given every pre-tokenizer in turn) and `llama-tokenize`'s ids for multilingual text, code, digit runs
-and whitespace runs (scripts/record-gguf-tokenizers.py). With llama.cpp built here, one more test runs
-llama-tokenize again, live.
+tests/data/tokenizers/ holds tiny vocabulary GGUFs (SentencePiece: llama, gemma, phi-3; gemma 4's BPE on
+characters; one byte-level BPE, given every pre-tokenizer in turn) and `llama-tokenize`'s ids for
+multilingual text, code, digit runs and whitespace runs (scripts/record-gguf-tokenizers.py). With llama.cpp
+built here, one more test runs llama-tokenize again, live.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def test_unknown_tokenizer_model_is_refused() -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("name", "kind"), [("spm-llama", "spm"), ("spm-gemma", "spm-no-space"), ("bpe-qwen2", "bpe")]
+    ("name", "kind"),
+    [("spm-llama", "spm"), ("spm-gemma", "spm-no-space"), ("gemma4", "spm-no-space"), ("bpe-qwen2", "bpe")],
 )
 def test_mlx_lm_picks_the_matching_detokenizer(name: str, kind: str) -> None:
     decoder = json.loads(build_tokenizer(fx.family_meta(FAMILIES[name])).to_str())["decoder"]

@@ -9,6 +9,7 @@ llama.cpp's tokenization of the file is the reference (src/llama-vocab.cpp); the
   chosen from `tokenizer.ggml.pre` (gguf_pretokenizers.py). As llama.cpp, no Unicode normalization.
 - SentencePiece (`"llama"`: llama 2, mistral, gemma, phi-3): rebuilt from tokens, scores and token types
   (gguf_tokenizer_spm.py).
+- Gemma 4 (`"gemma4"`): a BPE on UTF-8 characters with `▁` for spaces, its merges in the file.
 
 Special tokens are those llama.cpp splits the text on before tokenizing: control, user-defined and
 unknown tokens, matched in the raw text (llama-tokenize parses special tokens, as HF does by default).
@@ -104,6 +105,7 @@ def specials(meta: dict[str, Any]) -> Specials:
     else:
         pre = pre_tokenizer_for(meta.get("tokenizer.ggml.pre", "default"))
         default_bos = pre is not None and pre.add_bos
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos))
     n = len(tokens)
     return Specials(
         control=control,
@@ -112,9 +114,18 @@ def specials(meta: dict[str, Any]) -> Specials:
         # llama.cpp's defaults for SentencePiece vocabularies when the file names none.
         bos=_token_id(meta, "bos", 1 if spm else None, n),
         eos=_token_id(meta, "eos", 2 if spm else None, n),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)),
+        # Gemma 4 always starts with its BOS in llama.cpp, whatever the file says.
+        add_bos=add_bos or meta.get("tokenizer.ggml.model") == "gemma4",
         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
     )
+
+
+def _merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    merges = []
+    for m in meta.get("tokenizer.ggml.merges", []):
+        cut = m.find(" ", 1)  # as llama.cpp splits them
+        merges.append((m[:cut], m[cut + 1 :]) if cut > 0 else ("", ""))
+    return merges
 
 
 def _bpe(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
@@ -125,10 +136,7 @@ def _bpe(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
             f"GGUF tokenizer pre-tokenizer {pre_name!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_PRE)})"
         )
-    merges = []
-    for m in meta.get("tokenizer.ggml.merges", []):
-        cut = m.find(" ", 1)  # as llama.cpp splits them
-        merges.append((m[:cut], m[cut + 1 :]) if cut > 0 else ("", ""))
+    merges = _merges(meta)
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # keep the first id if a GGUF repeats a token string
@@ -150,6 +158,21 @@ def _spm(meta: dict[str, Any], tokens: list[str], unk: int | None) -> Tokenizer:
     return tok
 
 
+def _gemma4(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
+    """Gemma 4's BPE: on UTF-8 characters (not GPT-2's bytes), spaces as `▁`, split only at newline runs;
+    llama.cpp looks a newline run up whole, which matching the vocabulary's runs as added tokens does
+    (a run longer than any in the vocabulary is split differently: longest runs first, not by merges)."""
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(meta), fuse_unk=False, byte_fallback=True))
+    tok.normalizer = spm_normalizer(add_space_prefix=False)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tok.decoder = spm_decoder(add_space_prefix=False)
+    tok.add_tokens([AddedToken(t, normalized=False) for t in vocab if t and t.strip("\n") == ""])
+    return tok
+
+
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """Build the HF tokenizer described by the `tokenizer.ggml.*` keys of a GGUF file."""
     kind = meta.get("tokenizer.ggml.model")
@@ -157,12 +180,14 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(meta["tokenizer.ggml.tokens"])]
     if kind == "gpt2":
         tok = _bpe(meta, tokens)
+    elif kind == "gemma4":
+        tok = _gemma4(meta, tokens)
     elif kind == "llama":
         tok = _spm(meta, tokens, _token_id(meta, "unknown", 0, len(tokens)))
     else:
         raise UnsupportedModelError(
             f"GGUF tokenizer model {kind!r} is not supported "
-            "(supported: 'gpt2', byte-level BPE, and 'llama', SentencePiece)"
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece; 'gemma4')"
         )
     sp = specials(meta)
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import gguf
 
+from shardline.models.gguf_tokenizer_spm import spm_merges
+
 DATA_DIR = Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizers"
 
 # Kept small and varied: the vocabularies learn from it, so the test strings hit real merges.
@@ -114,6 +116,7 @@ SPECIAL_TEXTS: dict[str, tuple[str, ...]] = {
     ),
     "spm.gguf": ("<s>[INST] hello [/INST]</s>", "a<sep>b <sep> c"),
     "gemma.gguf": ("<start_of_turn>user\nHi\n\n  there<end_of_turn>\n<start_of_turn>model\n",),
+    "gemma4.gguf": ("<start_of_turn>user\nHi\n\n  there<end_of_turn>\n<start_of_turn>model\n",),
     "phi3.gguf": ("<|user|>\n  Hi there<|end|>\n<|assistant|>  ok</s> x", "<s> <|endoftext|>  y"),
 }
 
@@ -127,6 +130,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("spm-llama", "spm.gguf"),
     Family("spm-gemma", "gemma.gguf"),
     Family("spm-phi3", "phi3.gguf"),
+    Family("gemma4", "gemma4.gguf"),
     *(Family(f"bpe-{pre}", "bpe.gguf", pre) for pre in BPE_PRES),
 )
 
@@ -281,6 +285,12 @@ def make_vocabularies(into: Path) -> None:
     write_vocab_gguf(
         into / "gemma.gguf", "tiny-gemma", "llama", gemma,
         bos_token_id=1, eos_token_id=2, unknown_token_id=0, add_space_prefix=False, add_bos_token=True,
+    )  # fmt: skip
+    # Gemma 4 keeps such a vocabulary as a BPE on characters, with merges (here: those of the scores).
+    merges = [f"{a} {b}" for a, b in spm_merges(gemma["tokens"], gemma["scores"])]
+    write_vocab_gguf(
+        into / "gemma4.gguf", "tiny-gemma4", "gemma4", gemma | {"merges": merges},
+        bos_token_id=1, eos_token_id=2, unknown_token_id=0,
     )  # fmt: skip
     # Phi-3 (by its name): llama.cpp strips the whitespace after most of its special tokens.
     phi3 = train_spm(user_defined=[], control=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"])

@@ -71,3 +71,15 @@ def stream_tokens(handle: object, tokenizer: object) -> None:
         raise
     detok.finalize()
     sys.stdout.write(detok.last_segment + "\n")
+
+
+def add_sampling_args(
+    p: argparse.ArgumentParser, *, temperature: float, top_p: float, top_k: int, repetition_penalty: float
+) -> None:
+    """The sampling flags every command that generates takes, with that command's defaults."""
+    p.add_argument("--temperature", type=float, default=temperature, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=top_p, help="nucleus sampling: keep this much mass")
+    p.add_argument("--top-k", type=int, default=top_k, help="sample among this many best tokens (0: all)")
+    penalty = "penalise tokens already seen (1: none)"
+    p.add_argument("--repetition-penalty", type=float, default=repetition_penalty, help=penalty)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")

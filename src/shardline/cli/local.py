@@ -19,6 +19,7 @@ from shardline.cli.common import (
     MODEL_HELP,
     CliError,
     add_prefix_cache_arg,
+    add_sampling_args,
     encode_prompt,
     positive,
     stream_tokens,
@@ -248,14 +249,8 @@ def add_generate(sub: Any) -> None:
     gen = sub.add_parser("generate", help="stream an answer from a local pipeline of runner processes")
     _add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much mass")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among this many best tokens (0: all)")
+    add_sampling_args(gen, temperature=0.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the best")
-    gen.add_argument(
-        "--repetition-penalty", type=float, default=1.0, help="penalise tokens already seen (1: none)"
-    )
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument(
         "--cluster", metavar="ENDPOINT", default=None, help="send through a cluster (e.g. tcp/127.0.0.1:7447)"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardline.cli.cluster import add_credential_args, credentials
-from shardline.cli.common import CliError
+from shardline.cli.common import CliError, add_sampling_args
 
 DEFAULT_API_PORT = 8000  # `shardline node` and the first node of `shardline up` serve HTTP here
 NODE_START_S = 120.0  # a node measures its compute and hashes its models before it answers
@@ -418,13 +418,7 @@ def add_run(sub: Any) -> None:
     )
     run.add_argument("--system", default=None, help="a system prompt that opens the conversation")
     # Ollama's defaults, a little cooler: at the node's (1.0, the whole distribution) a small model drifts.
-    run.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
-    run.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling: keep this much mass")
-    run.add_argument("--top-k", type=int, default=40, help="sample among this many best tokens (0: all)")
-    run.add_argument(
-        "--repetition-penalty", type=float, default=1.1, help="penalise tokens already seen (1: none)"
-    )
-    run.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
+    add_sampling_args(run, temperature=0.6, top_p=0.9, top_k=40, repetition_penalty=1.1)
     run.add_argument(
         "--max-tokens", type=int, default=None, help="most tokens per answer (default: until the model stops)"
     )

@@ -72,12 +72,15 @@ def api_headers() -> dict[str, str]:
 @contextmanager
 def _exit_on_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP (the terminal closed) end the command through its `finally`s, so a cluster it
-    started is stopped whatever way it ends."""
+    started is stopped whatever way it ends; SIGINT is Ctrl-C's KeyboardInterrupt."""
 
     def leave(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)
 
     old = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Ctrl-C stops an answer, whatever the parent left: a shell's background job starts with SIGINT ignored,
+    # and Python then installs no KeyboardInterrupt of its own.
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

@@ -1,4 +1,5 @@
-"""llama.cpp as a reference here: build `llama-bench`, `llama-perplexity` and `llama-tokenize` once, run them.
+"""llama.cpp as a reference here: build `llama-bench`, `llama-perplexity`, `llama-tokenize` and `llama-quantize`
+once, run them.
 
 The source is the llama.cpp that the `llama-cpp-python` sdist vendors (one pinned version, fetched with pip,
 the ordinary client of the registry), built CPU-only with native instructions into the user's cache. It is
@@ -23,7 +24,7 @@ from pathlib import Path
 from platformdirs import user_cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-BINARIES = ("llama-bench", "llama-perplexity", "llama-tokenize")
+BINARIES = ("llama-bench", "llama-perplexity", "llama-tokenize", "llama-quantize")
 BUILD_HINT = "shardline bench llama-cpp --build"
 CACHE_ENV = "SHARDLINE_CACHE_DIR"  # the same override as the model cache's
 _CMAKE_FLAGS = (

@@ -8,7 +8,8 @@ minutes, and a ratio taken seconds apart, with linear drift cancelled, is steadi
 from `pairs` rounds; each is reported as the median with the range of the rounds.
 
 Here: the rounds and the report. The baselines (mlx-lm's process, llama.cpp's llama-bench) are in
-engine_references.py, what a stage's memory is measured against in engine_memory.py.
+engine_references.py, what a stage's memory is measured against in engine_memory.py, the runs it times in
+engine_runs.py, the prefix cache's figures in engine_prefix.py.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 from shardline.bench.engine_memory import (
@@ -29,73 +28,25 @@ from shardline.bench.engine_memory import (
     stage_memory,
     weights_bytes,
 )
+from shardline.bench.engine_prefix import PrefixWork, prefix_round
 from shardline.bench.engine_references import LLAMA_PROMPT, Baseline, LlamaCpp, llama_reference
+from shardline.bench.engine_runs import (
+    PREFILL_STEP,
+    decode_tps,
+    prompt_ids,
+    start_engine,
+    streams,
+    timed_request,
+)
 from shardline.bench.machine import describe
 from shardline.compute.constraints import Matchers, json_schema
 from shardline.compute.sampling import SamplingParams
-from shardline.engine.engine import Engine, EngineConfig
+from shardline.engine.engine import Engine
 
-PREFILL_STEP = 128
 PREFILL_CHUNKS = 24
 DECODE_TOKENS = 64
 STREAMS = 8
 MEM_SHORT, MEM_LONG = 1024, 16384
-
-
-def _prompt(n: int, vocab: int, offset: int = 0) -> list[int]:
-    # Deterministic, vocabulary-spread ids: speed does not depend on which tokens they are.
-    return [(offset + 7919 * i) % (vocab - 1000) + 500 for i in range(n)]
-
-
-def _engine(
-    model_dir: Path, stages: int, window: int = 0, context_length: int = 0, prefix_cache: bool = True
-) -> Engine:
-    config = EngineConfig(
-        model_dir=model_dir,
-        stages=stages,
-        prefill_step=PREFILL_STEP,
-        window=window,
-        pin_cpus=True,
-        context_length=context_length,
-        prefix_cache=prefix_cache,
-    )
-    return Engine(config).start()
-
-
-def _timed_request(engine: Engine, prompt: list[int], max_tokens: int) -> list[float]:
-    start = time.perf_counter()
-    stamps = []
-    for _ in engine.submit(prompt, max_tokens=max_tokens):
-        stamps.append(time.perf_counter() - start)
-    return stamps
-
-
-def _decode_tps(stamps: list[float]) -> float:
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
-def _streams(
-    engine: Engine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams | None = None
-) -> tuple[float, list[list[int]]]:
-    """Concurrent streams: tokens/s while every one of them is decoding, and each stream's tokens."""
-    stamps: list[list[float]] = [[] for _ in prompts]
-    tokens: list[list[int]] = [[] for _ in prompts]
-    handles = [engine.submit(p, max_tokens=max_tokens, sampling=sampling) for p in prompts]
-
-    def follow(i: int) -> None:
-        for t in handles[i]:
-            stamps[i].append(time.perf_counter())
-            tokens[i].append(t.token)
-
-    threads = [threading.Thread(target=follow, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    # The window in which all streams were decoding: from the last first token to the first last token.
-    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
-    inside = sum(1 for s in stamps for x in s if start < x <= end)
-    return inside / (end - start), tokens
 
 
 # Long enough that every stream decodes to max_tokens: 8 streams measured while all of them decode.
@@ -164,8 +115,8 @@ def _median(values: list) -> float | list[float]:
 
 
 def _serial_prefill_tps(model_dir: Path, prompt: list[int]) -> float:
-    with _engine(model_dir, 2, window=1) as engine:
-        return len(prompt) / _timed_request(engine, prompt, 1)[0]
+    with start_engine(model_dir, 2, window=1) as engine:
+        return len(prompt) / timed_request(engine, prompt, 1)[0]
 
 
 def _round(
@@ -181,20 +132,20 @@ def _round(
     figures they come from, and (first round) each stage's memory. One engine is up at a time (an idle one
     still beats and listens), while the baseline process stays loaded, idle on its input. llama.cpp's runs sit
     around the engine runs they are compared with, while no engine is up (A-B-A as with the baseline)."""
-    long_prompt = _prompt(chunks * PREFILL_STEP, vocab)
-    short_prompt = _prompt(32, vocab, offset=3)
-    llama_prompt = _prompt(llama.prompt if llama else LLAMA_PROMPT, vocab, offset=13)
-    stream_prompts = [_prompt(24 + 4 * k, vocab, offset=5 + k) for k in range(STREAMS)]
+    long_prompt = prompt_ids(chunks * PREFILL_STEP, vocab)
+    short_prompt = prompt_ids(32, vocab, offset=3)
+    llama_prompt = prompt_ids(llama.prompt if llama else LLAMA_PROMPT, vocab, offset=13)
+    stream_prompts = [prompt_ids(24 + 4 * k, vocab, offset=5 + k) for k in range(STREAMS)]
     raw: dict[str, float] = {}
     memory: list[dict[str, int]] = []
     llama_1t = [llama.bench(1)] if llama else []
     # Where a decode token's time goes: each stage's compute (its last step, from its heartbeat) and the rest
     # (hops, framing, the leader's Python between steps), on one stage and on two.
-    with _engine(model_dir, 1) as engine:
-        raw["s1_single_decode_tps"] = _decode_tps(baseline.run(short_prompt, decode_tokens))
-        raw["s1_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
+    with start_engine(model_dir, 1) as engine:
+        raw["s1_single_decode_tps"] = decode_tps(baseline.run(short_prompt, decode_tokens))
+        raw["s1_decode_tps"] = decode_tps(timed_request(engine, short_prompt, decode_tokens))
         raw["s1_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
-        raw["s1_prefill_tps"] = len(llama_prompt) / _timed_request(engine, llama_prompt, 1)[0]
+        raw["s1_prefill_tps"] = len(llama_prompt) / timed_request(engine, llama_prompt, 1)[0]
     if llama:
         llama_1t.append(llama.bench(1))
         raw["llama_cpp_1t_decode_tps"] = statistics.mean(x["decode_tps"] for x in llama_1t)
@@ -204,34 +155,34 @@ def _round(
     # overlapped one, and the overlap is compared with the mean of the two, like every figure here.
     serial = [_serial_prefill_tps(model_dir, long_prompt)]
     llama_2t = [llama.bench(2)] if llama else []
-    with _engine(model_dir, 2) as engine:
+    with start_engine(model_dir, 2) as engine:
         # Each engine figure sits between two baseline runs and is compared with their mean (A-B-A): drift
         # that is linear over the minute they take cancels out.
-        single = [_decode_tps(baseline.run(short_prompt, decode_tokens))]
-        raw["s2_decode_tps"] = _decode_tps(_timed_request(engine, short_prompt, decode_tokens))
+        single = [decode_tps(baseline.run(short_prompt, decode_tokens))]
+        raw["s2_decode_tps"] = decode_tps(timed_request(engine, short_prompt, decode_tokens))
         raw["s2_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
-        single.append(_decode_tps(baseline.run(short_prompt, decode_tokens)))
+        single.append(decode_tps(baseline.run(short_prompt, decode_tokens)))
         raw["single_decode_tps"] = statistics.mean(single)
         single = [len(long_prompt) / baseline.run(long_prompt, 1)[0]]
-        raw["s2_overlap_prefill_tps"] = len(long_prompt) / _timed_request(engine, long_prompt, 1)[0]
+        raw["s2_overlap_prefill_tps"] = len(long_prompt) / timed_request(engine, long_prompt, 1)[0]
         single.append(len(long_prompt) / baseline.run(long_prompt, 1)[0])
         raw["single_prefill_tps"] = statistics.mean(single)
-        one = [_streams(engine, stream_prompts[:1], decode_tokens)[0]]
-        raw["s2_2stream_tps"], _ = _streams(engine, stream_prompts[:2], decode_tokens)
-        one.append(_streams(engine, stream_prompts[:1], decode_tokens)[0])
-        raw["s2_8stream_tps"], together = _streams(engine, stream_prompts, decode_tokens)
+        one = [streams(engine, stream_prompts[:1], decode_tokens)[0]]
+        raw["s2_2stream_tps"], _ = streams(engine, stream_prompts[:2], decode_tokens)
+        one.append(streams(engine, stream_prompts[:1], decode_tokens)[0])
+        raw["s2_8stream_tps"], together = streams(engine, stream_prompts, decode_tokens)
         # The same 8 streams under a JSON schema, between two unconstrained runs (A-B-A).
         free = [raw["s2_8stream_tps"]]
-        raw["s2_8stream_constrained_tps"], constrained = _streams(
+        raw["s2_8stream_constrained_tps"], constrained = streams(
             engine, stream_prompts, decode_tokens, _constrained_sampling(model_dir)
         )
-        free.append(_streams(engine, stream_prompts, decode_tokens)[0])
+        free.append(streams(engine, stream_prompts, decode_tokens)[0])
         raw["s2_8stream_free_tps"] = statistics.mean(free)
-        one.append(_streams(engine, stream_prompts[:1], decode_tokens)[0])
+        one.append(streams(engine, stream_prompts[:1], decode_tokens)[0])
         raw["s2_1stream_tps"] = statistics.mean(one[:2])  # the one the 2 streams sat between
         raw["s2_1stream_after_tps"] = statistics.mean(one[1:])  # and the one the 8 streams sat between
         if check_batched:
-            alone = [_streams(engine, [p], decode_tokens)[1][0] for p in stream_prompts]
+            alone = [streams(engine, [p], decode_tokens)[1][0] for p in stream_prompts]
             raw["batched_outputs_mismatched"] = sum(a != b for a, b in zip(alone, together, strict=True))
             memory = stage_memory(engine)  # after the long prefill and the 8 streams: every peak is in
             raw["mask_ms_p50"], raw["mask_ms_p99"] = _mask_ms(model_dir, constrained, vocab)
@@ -260,73 +211,6 @@ def _round(
     return ratios, raw, memory
 
 
-@dataclass(frozen=True)
-class PrefixWork:
-    """The prefix cache's workloads: a conversation (a system prompt, then turns of a user message and a
-    reply) timed at its fifth turn, and concurrent requests that share one system prompt."""
-
-    system: int = 600
-    user: int = 268  # with the reply, a turn of ~300 tokens
-    reply: int = 32
-    turns: int = 5
-    shared_system: int = 1024
-    shared_user: int = 32
-    shared_requests: int = 8
-
-    @classmethod
-    def quick(cls) -> PrefixWork:
-        return cls(system=200, user=60, reply=8, shared_system=256, shared_user=16)
-
-
-def _concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    """Tokens a second from submitting every prompt at once to the last token, and each one's tokens."""
-    start = time.perf_counter()
-    handles = [engine.submit(p, max_tokens=max_tokens) for p in prompts]
-    tokens = [h.tokens(timeout=600) for h in handles]
-    return sum(len(t) for t in tokens) / (time.perf_counter() - start), tokens
-
-
-def _prefix_round(model_dir: Path, vocab: int, work: PrefixWork) -> tuple[dict, dict, int]:
-    """One round of the prefix cache's figures on 2 stages: the engine with the cache, then without it. The
-    time to first token of turn 5 (two variants of its user message after the same four turns), and the
-    throughput of concurrent requests sharing a system prompt from a cold cache. Every reply is compared
-    between the two: a cached run must not change a token."""
-    history = _prompt(work.system, vocab, offset=21)
-    turns: list[tuple[list[int], list[int]]] = []  # prompt, reply
-    last = [_prompt(work.user, vocab, offset=400 + k) for k in range(2)]
-    shared = [
-        _prompt(work.shared_system, vocab, offset=31) + _prompt(work.shared_user, vocab, offset=200 + k)
-        for k in range(work.shared_requests)
-    ]
-    raw: dict[str, float] = {}
-    with _engine(model_dir, 2) as engine:
-        for t in range(work.turns - 1):
-            prompt = history + _prompt(work.user, vocab, offset=300 + t)
-            reply = engine.submit(prompt, max_tokens=work.reply).tokens(timeout=600)
-            turns.append((prompt, reply))
-            history = prompt + reply
-        ttft = [_timed_request(engine, history + user, 1)[0] for user in last]
-        raw["prefix_turn5_ttft_s_cached"] = statistics.mean(ttft)
-        raw["prefix_turn5_prompt_tokens"] = len(history) + work.user
-    with _engine(model_dir, 2) as engine:  # a cold cache: the first request computes what the rest share
-        raw["prefix_shared_tps_cached"], shared_cached = _concurrent(engine, shared, work.reply)
-    with _engine(model_dir, 2, prefix_cache=False) as engine:
-        ttft = [_timed_request(engine, history + user, 1)[0] for user in last]
-        raw["prefix_turn5_ttft_s_plain"] = statistics.mean(ttft)
-        raw["prefix_shared_tps_plain"], shared_plain = _concurrent(engine, shared, work.reply)
-        mismatched = sum(
-            engine.submit(prompt, max_tokens=work.reply).tokens(timeout=600) != reply
-            for prompt, reply in turns
-        )
-    mismatched += sum(a != b for a, b in zip(shared_cached, shared_plain, strict=True))
-    ratios = {
-        "prefix_ttft_ratio_turn5": raw["prefix_turn5_ttft_s_cached"] / raw["prefix_turn5_ttft_s_plain"],
-        "prefix_shared_prompt_throughput_ratio": raw["prefix_shared_tps_cached"]
-        / raw["prefix_shared_tps_plain"],
-    }
-    return ratios, raw, mismatched
-
-
 def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: int = 3) -> dict:
     from shardline.models.registry import resolve_model
 
@@ -352,7 +236,7 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
                 baseline, model_dir, vocab, chunks, decode_tokens, check_batched=i == 0, llama=llama
             )
             memory = memory or mem_i
-            prefix, prefix_raw, mismatched = _prefix_round(model_dir, vocab, work)
+            prefix, prefix_raw, mismatched = prefix_round(model_dir, vocab, work)
             ratios.update(prefix)
             raw.update(prefix_raw, prefix_outputs_mismatched=mismatched)
             for k, v in ratios.items():
@@ -366,8 +250,8 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     short, long = (256, 1024) if quick else (MEM_SHORT, MEM_LONG)
     for name, n in (("short", short), ("long", long)):
         # The long prompt may pass the model's trained context: memory is what is measured, not answers.
-        with _engine(model_dir, 2, context_length=long + 1) as engine:
-            _timed_request(engine, _prompt(n, vocab, offset=11), 1)
+        with start_engine(model_dir, 2, context_length=long + 1) as engine:
+            timed_request(engine, prompt_ids(n, vocab, offset=11), 1)
             mem[name] = activation_bytes(engine)
 
     result: dict = {

@@ -16,7 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from mlx_lm.utils import load_model
+
+from shardline.compute.gguf_linear import load_model
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ def runner_env(threads: int, base: dict[str, str] | None = None) -> dict[str, st
     if lib:
         env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
         env["OPENBLAS_NUM_THREADS"] = str(max(1, threads))
+    env["SHARDLINE_THREADS"] = str(max(1, threads))  # the CPU kernel's products (compute/quantized.py)
     # glibc only; ignored by other allocators. Blocks up to 32 MiB (glibc's ceiling) come from the heap, and
     # the heap is not trimmed back below 1 GiB: tiles reuse the same pages from one step to the next.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))

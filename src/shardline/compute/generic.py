@@ -131,7 +131,7 @@ def _embeddings(model: nn.Module, layers: list[Any]) -> list[tuple[nn.Module, st
     return [
         (parent, key, child)
         for parent, key, child in _outside(model, layers)
-        if isinstance(child, kinds) or type(child).__name__ == "CpuQuantizedEmbedding"
+        if isinstance(child, kinds) or type(child).__name__ in ("CpuQuantizedEmbedding", "GGUFEmbedding")
     ]
 
 

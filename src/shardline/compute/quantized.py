@@ -30,6 +30,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 log = logging.getLogger("shardline.compute")
 
 SUPPORTED_BITS = (4, 8)
+THREADS_ENV = "SHARDLINE_THREADS"  # threads of the kernel's products in this process
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 _native: ModuleType | None = None
@@ -74,6 +75,8 @@ def native() -> ModuleType | None:
         return None
     if os.environ.get("SHARDLINE_QMM_INT", "1") == "0":
         module.set_integer(False)
+    if hasattr(module, "set_threads"):  # the runner's share of its node's cores (blas.runner_env)
+        module.set_threads(max(1, int(os.environ.get(THREADS_ENV) or 1)))
     _native = module
     return _native
 
@@ -169,7 +172,8 @@ def _eligible(m: Any) -> bool:
 
 
 def cpu_quantized(m: nn.Module) -> nn.Module:
-    """The native-kernel twin of a quantized layer it supports, else m itself."""
+    """The native-kernel twin of a quantized layer it supports, else m itself (GGUF block layers run the
+    kernel as they are: compute/gguf_linear.py)."""
     if native() is None:
         return m
     if type(m) is nn.QuantizedLinear and _eligible(m):
@@ -197,7 +201,18 @@ def fused_projection(*layers: nn.Module) -> Any:
     format; None where they are not all native-kernel layers. Each output equals its layer's own, bit for
     bit: the kernel computes every output row alone."""
     module = native()
-    if module is None or not layers or any(type(m) is not CpuQuantizedLinear for m in layers):
+    if module is None or not layers:
+        return None
+    biases = [m.get("bias") for m in layers]
+    if gguf := _gguf_args(layers):
+        ws, types = gguf
+
+        def project_blocks(x: mx.array) -> list[mx.array]:
+            outs = module.gguf_matmul_many(x, ws, types)
+            return [y if b is None else y + b for y, b in zip(outs, biases, strict=True)]
+
+        return project_blocks
+    if any(type(m) is not CpuQuantizedLinear for m in layers):
         return None
     group_size, bits = layers[0].group_size, layers[0].bits
     if any((m.group_size, m.bits) != (group_size, bits) for m in layers):
@@ -205,7 +220,6 @@ def fused_projection(*layers: nn.Module) -> Any:
     ws = [m["weight"] for m in layers]
     ss = [m["scales"] for m in layers]
     bs = [m["biases"] for m in layers]
-    biases = [m.get("bias") for m in layers]
 
     def project(x: mx.array) -> list[mx.array]:
         outs = module.quantized_matmul_many(x, ws, ss, bs, group_size, bits)
@@ -217,7 +231,12 @@ def fused_projection(*layers: nn.Module) -> Any:
 def fused_swiglu(gate: nn.Module, up: nn.Module) -> Any:
     """x -> silu(gate(x)) * up(x) as one native op (bias-free quantized layers of one format), else None."""
     module = native()
-    if module is None or type(gate) is not CpuQuantizedLinear or type(up) is not CpuQuantizedLinear:
+    if module is None:
+        return None
+    if (gguf := _gguf_args([gate, up])) and "bias" not in gate and "bias" not in up:
+        (w_gate, w_up), (t_gate, t_up) = gguf
+        return lambda x: module.gguf_swiglu(x, w_gate, t_gate, w_up, t_up)
+    if type(gate) is not CpuQuantizedLinear or type(up) is not CpuQuantizedLinear:
         return None
     if (gate.group_size, gate.bits) != (up.group_size, up.bits) or "bias" in gate or "bias" in up:
         return None
@@ -234,6 +253,12 @@ def direct(layer: nn.Module) -> Any:
     """layer as a plain function of x: for a native-kernel layer, the op without the module's attribute
     lookups (a decode position makes a few hundred such calls); any other layer itself."""
     module = native()
+    if module is not None and (gguf := _gguf_args([layer])):
+        (w,), (qtype,) = gguf
+        bias = layer.get("bias")
+        if bias is None:
+            return lambda x: module.gguf_matmul(x, w, qtype)
+        return lambda x: module.gguf_matmul(x, w, qtype) + bias
     if module is None or type(layer) is not CpuQuantizedLinear:
         return layer
     w, s, b, bias = layer["weight"], layer["scales"], layer["biases"], layer.get("bias")
@@ -241,3 +266,12 @@ def direct(layer: nn.Module) -> Any:
     if bias is None:
         return lambda x: module.quantized_matmul(x, w, s, b, group_size, bits)
     return lambda x: module.quantized_matmul(x, w, s, b, group_size, bits) + bias
+
+
+def _gguf_args(layers: Any) -> tuple[list[mx.array], list[int]] | None:
+    """(weights, types) of GGUF block linear layers the kernel runs here, else None."""
+    from shardline.compute.gguf_linear import GGUFLinear, kernel_runs_here
+
+    if not all(type(m) is GGUFLinear for m in layers) or not kernel_runs_here():
+        return None
+    return [m["weight"] for m in layers], [int(m.qtype) for m in layers]

@@ -16,9 +16,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as kv_cache
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.utils import load_config, load_model
+from mlx_lm.utils import load_config
 
-from shardline.compute import attention, expert_parallel, quantized, tensor_parallel, tied_head
+from shardline.compute import attention, expert_parallel, gguf_linear, quantized, tensor_parallel, tied_head
 from shardline.compute.batched import DecodePlan, decode_stack
 from shardline.compute.generic import GenericShard, ZeroEmbedding
 from shardline.compute.layer_range import LayerRange, split_layers
@@ -276,7 +276,7 @@ def load_shard(
     # A stage directory fetched from a peer (cluster/weights/) holds only its own tensors, which strict
     # loading refuses; load it leniently, then require every tensor this stage keeps (_check_partial).
     partial = (Path(model_dir) / SHARD_MANIFEST).is_file()
-    model, config = load_model(Path(model_dir), lazy=True, strict=not partial)
+    model, config = gguf_linear.load_model(Path(model_dir), lazy=True, strict=not partial)
     listed = list(model.layers)  # GenericShard finds the list the forward iterates, where it must
     total = len(listed)
     layers = layers or LayerRange(0, total, total)
@@ -304,6 +304,7 @@ def load_shard(
         elif not why and arch not in TENSOR_PARALLEL_ARCHITECTURES:
             why = f"tensor-parallel groups of {arch} blocks run the model's own forward"
     on_cpu = mx.default_device() == mx.cpu
+    blocks_as_stored = gguf_linear.kernel_runs_here()
     budget = score_budget or attention.DEFAULT_SCORE_BUDGET
     generic = GenericShard(model, config, layers, member)
     if partial:
@@ -317,6 +318,8 @@ def load_shard(
             if not why:  # llama-shaped blocks call their projections and nothing else reads them
                 make_input_major(layer)
             make_cpu_quantized(layer)
+        if not blocks_as_stored:  # GGUF blocks as MLX affine, once, where the CPU kernel does not run them
+            gguf_linear.to_affine_layers(layer)
         mx.eval(layer.parameters())
     if why:
         if not generic.heads_out:

@@ -19,6 +19,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from shardline.compute.gguf_linear import CONFIG_KEY as GGUF_CONFIG_KEY
+from shardline.compute.gguf_linear import block_shape, qtype_of
+
 Reduce = Callable[[mx.array], mx.array]
 
 
@@ -48,7 +51,13 @@ def rows(linear: Any, start: int, stop: int, axis: int = 0) -> None:
 def columns(linear: Any, start: int, stop: int, keep_bias: bool) -> None:
     """Keep input columns [start, stop) of a linear layer (or of every stacked expert of a switch layer);
     its bias only where keep_bias (added once)."""
-    if _quantized(linear):
+    if hasattr(linear, "qtype"):  # GGUF blocks (compute/gguf_linear.py): whole blocks of each row
+        elements, size = block_shape(linear.qtype)
+        if start % elements or stop % elements:
+            raise GroupSumError(f"columns [{start}, {stop}) split GGUF blocks of {elements}")
+        linear["weight"] = _own(linear["weight"][..., start // elements * size : stop // elements * size])
+        linear.input_dims = stop - start
+    elif _quantized(linear):
         per_word = 32 // linear.bits
         gs = linear.group_size
         if start % gs or stop % gs or start % per_word:
@@ -76,6 +85,8 @@ def check_split(config: dict, size: int) -> None:
         if n % size:
             raise GroupSumError(f"{n} {what} do not split into {size} equal parts")
     group = int((config.get("quantization") or {}).get("group_size") or 0)
+    if blocks := config.get(GGUF_CONFIG_KEY):  # the largest GGUF block any matrix has
+        group = max([group, *(block_shape(qtype_of(name))[0] for name in set(blocks.values()))])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     for what, n in (("attention output", heads // size * head_dim), ("MLP", inter // size)):
         if group and n % group:

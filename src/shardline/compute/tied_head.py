@@ -10,14 +10,19 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from shardline.compute import quantized
+from shardline.compute import gguf_linear, quantized
 
 
 def split_point(embed: Any) -> int:
-    """Where a tied head splits (0: it does not): half the vocabulary, for float and affine-quantized
-    embeddings. The first and the last stage of a tied model both compute it, whatever their paths."""
+    """Where a tied head splits (0: it does not): half the vocabulary, for float, affine-quantized and GGUF
+    block embeddings. The first and the last stage of a tied model both compute it, whatever their paths."""
     quantized_embed = isinstance(embed, nn.QuantizedEmbedding | quantized.CpuQuantizedEmbedding)
-    if type(embed) is not nn.Embedding and not (quantized_embed and embed.get("biases") is not None):
+    blocks = type(embed) is gguf_linear.GGUFEmbedding
+    if (
+        type(embed) is not nn.Embedding
+        and not blocks
+        and not (quantized_embed and embed.get("biases") is not None)
+    ):
         return 0
     return int(embed.weight.shape[0]) // 2
 
@@ -26,6 +31,8 @@ def rows(embed: Any, h: mx.array, start: int, end: int) -> mx.array:
     """Logits [start, end) of a tied head: h (rows, D) times those rows of the embedding."""
     if type(embed) is nn.Embedding:
         return h.astype(embed.weight.dtype) @ embed.weight[start:end].T
+    if type(embed) is gguf_linear.GGUFEmbedding:  # whole rows of blocks
+        return gguf_linear.GGUFEmbedding.as_linear_rows(embed, h, start, end)
     e = embed
     return quantized.quantized_matmul(
         h, e["weight"][start:end], e["scales"][start:end], e["biases"][start:end], e.group_size, e.bits
@@ -38,6 +45,8 @@ def input_dtype(embed: Any, first_layer: nn.Module) -> mx.Dtype:
     layers' norms, as MLX promotes them). The packed float32 copy converts back exactly."""
     if type(embed) is nn.Embedding:
         return embed.weight.dtype
+    if type(embed) is gguf_linear.GGUFEmbedding:
+        return mx.float32  # its rows dequantize to float32
     norms = [v.dtype for k, v in tree_flatten(first_layer.parameters()) if "norm" in k]
     found = {embed["scales"].dtype, *norms}
     floats = [d for d in found if d in (mx.float32, mx.float16, mx.bfloat16)]

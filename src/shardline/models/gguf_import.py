@@ -4,12 +4,17 @@ Output: config.json, model.safetensors (HF tensor names), tokenizer.json, tokeni
 generation_config.json and shardline_import.json (provenance, and the form each tensor took).
 
 Weights (`weights=`):
-- "quantized" (the default): quantized GGUF matrices stay quantized, as MLX affine quantization
-  (`models/gguf_quant.py`: exact for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K, 8-bit requantization with its error
-  measured for the rest), and config.json's `quantization` says so the way mlx-lm's loader reads it. Norms,
-  biases and float tensors stay float32: activations (and so the KV cache) are float32, since on CPU MLX ran
-  float16 at half the speed.
+- "quantized" (the default): matrices of the block types the CPU kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+  Q6_K: `gguf_quant.BLOCK_TYPES`) keep their GGUF bytes as stored, each a uint8 (rows, row bytes) tensor,
+  named in config.json's `gguf_quantization` ({module: type}); compute/gguf_linear.py loads them, and
+  converts them to MLX affine once where that kernel does not run (a GPU). The weights then cost the GGUF's
+  bytes. Every other quantized matrix (other types, 3-D expert stacks) becomes MLX affine, as "affine" does.
+- "affine": quantized GGUF matrices become MLX affine quantization (`models/gguf_quant.py`: exact for
+  Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K, 8-bit requantization with its error measured for the rest), and
+  config.json's `quantization` says so the way mlx-lm's loader reads it (1.0-1.35x the GGUF's bytes).
 - "float32": every tensor dequantized to float32 (4-8x the GGUF's bytes).
+Norms, biases and float tensors stay float32 in every form: activations (and so the KV cache) are float32,
+since on CPU MLX ran float16 at half the speed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
@@ -55,9 +60,10 @@ log = logging.getLogger("shardline.models")
 # Bump when the output layout or conversion changes, so cached imports are redone.
 # 2: quantized GGUF matrices stay quantized (MLX affine) by default.
 # (More architectures did not change what llama, qwen2 and qwen3 import to.)
-IMPORT_FORMAT_VERSION = 2
+# 3: the kernel's block types keep their GGUF bytes ("quantized"; the affine form is "affine").
+IMPORT_FORMAT_VERSION = 3
 TEMP_PREFIX = ".importing-"
-WEIGHTS = ("quantized", "float32")  # what import_gguf(weights=...) accepts
+WEIGHTS = ("quantized", "affine", "float32")  # what import_gguf(weights=...) accepts
 DEFAULT_WEIGHTS = "quantized"
 # Its dequantized rows are the residual stream's input, in its scales' dtype: float32 keeps activations
 # float32 (float16 scales would round every embedding value to float16 first).
@@ -140,7 +146,11 @@ class _Tensor:
         return GGMLQuantizationType(self.tensor.tensor_type)
 
     def outputs(self) -> dict[str, tuple[int, ...]]:
-        """The tensors it is stored as: itself, or a quantized matrix's packed weight, scales and biases."""
+        """The tensors it is stored as: itself, its blocks' bytes by row, or a quantized matrix's packed
+        weight, scales and biases."""
+        if self.form.blocks:
+            elements, size = GGML_QUANT_SIZES[self.qtype]
+            return {self.name: (*self.shape[:-1], self.shape[-1] // elements * size)}
         if not self.form.quantized:
             return {self.name: self.shape}
         base = self.name.removesuffix(".weight")
@@ -215,6 +225,14 @@ def _converted(
         st = stats.setdefault(key, FormStats(t.qtype.name, t.form.label, t.form.exact))
         st.tensors += 1
         st.bytes_in += int(t.tensor.n_bytes)
+        if t.form.blocks:  # the bytes as stored: whole rows move where Q/K rows are un-permuted
+            (shape,) = t.outputs().values()
+            raw = np.ascontiguousarray(t.tensor.data, dtype=np.uint8).reshape(shape)
+            if heads is not None:
+                raw = np.ascontiguousarray(unpermute_llama_qk(raw, heads))
+            st.bytes_out += raw.nbytes
+            yield t.name, raw
+            continue
         if not t.form.quantized:
             weight = dequantize_tensor(t.tensor).reshape(t.shape)
             if heads is not None:
@@ -266,17 +284,25 @@ def quantization_config(plan: list[_Tensor]) -> dict[str, Any] | None:
             continue
         module = t.name.removesuffix(".weight")
         if not t.form.quantized:
-            config[module] = False
+            config[module] = False  # float32, or GGUF blocks (gguf_blocks_config)
         elif t.form.bits != default:
             config[module] = {"group_size": GROUP, "bits": t.form.bits, "mode": "affine"}
     return config
+
+
+def gguf_blocks_config(plan: list[_Tensor]) -> dict[str, str]:
+    """config.json's `gguf_quantization`: the modules whose weight is GGUF blocks, and their type."""
+    return {t.name.removesuffix(".weight"): t.form.blocks for t in plan if t.form.blocks}
 
 
 def weight_format(stats: list[FormStats]) -> str:
     """One line for people: the quantized forms, the most bytes first, e.g. "q4_1→affine4/g32, q8_0→..."
     (≈ instead of → where the form is not exact); "float32" when nothing stayed quantized."""
     forms = sorted((s for s in stats if s.form != "float32"), key=lambda s: -s.bytes_out)
-    parts = [f"{s.gguf_type.lower()}{'→' if s.exact else '≈'}{s.form}" for s in forms]
+    parts = [
+        s.form if s.form.endswith(" blocks") else f"{s.gguf_type.lower()}{'→' if s.exact else '≈'}{s.form}"
+        for s in forms
+    ]
     return ", ".join(dict.fromkeys(parts)) or "float32"
 
 
@@ -359,7 +385,8 @@ def import_gguf(
 ) -> Path:
     """Convert `gguf_path` into the mlx-lm model directory `out_dir` (written atomically).
 
-    weights: "quantized" (quantized GGUF matrices stay quantized) or "float32" (see the module docstring).
+    weights: "quantized" (GGUF blocks as stored where the kernel reads them, else MLX affine), "affine"
+    or "float32" (see the module docstring).
     With `progress`, a progress bar and the summary of what each tensor became go to stderr."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
@@ -377,8 +404,9 @@ def import_gguf(
     for name, tensor in pairs:
         shape = _hf_layout(name, hf_shape(tensor))
         qtype = GGMLQuantizationType(tensor.tensor_type)
-        keep = weights == "quantized" and layer_short_name(tensor.name) not in FLOAT_ONLY
-        plan.append(_Tensor(name, tensor, shape, form_for(qtype, shape) if keep else Form()))
+        keep = weights != "float32" and layer_short_name(tensor.name) not in FLOAT_ONLY
+        form = form_for(qtype, shape, blocks=weights == "quantized") if keep else Form()
+        plan.append(_Tensor(name, tensor, shape, form))
     shapes = {t.name: t.shape for t in plan}
     for needed in ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight"):
         if needed not in shapes:
@@ -387,12 +415,14 @@ def import_gguf(
     if (quantization := quantization_config(plan)) is not None:
         config["quantization"] = quantization
         config["quantization_config"] = quantization  # mlx-lm writes both; HF tools read the second
+    if blocks := gguf_blocks_config(plan):
+        config["gguf_quantization"] = blocks
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     outputs = {name: shape for t in plan for name, shape in t.outputs().items()}
 
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         stats: dict[tuple[str, str], FormStats] = {}
-        fmt = "mlx" if quantization else "pt"  # as mlx-lm and torch tag their files
+        fmt = "mlx" if quantization or blocks else "pt"  # as mlx-lm and torch tag their files
         tensors = _converted(plan, meta, stats, progress=progress, desc=f"Importing {gguf_path.name}")
         write_safetensors(tmp / "model.safetensors", outputs, tensors, metadata={"format": fmt})
         out_bytes = (tmp / "model.safetensors").stat().st_size

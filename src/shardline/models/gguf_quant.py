@@ -48,19 +48,37 @@ _F16_MAX = float(np.finfo(np.float16).max)
 Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
+# GGUF block types the CPU kernel reads as stored (csrc/qmm/gguf_*): a matrix of one of these keeps its
+# GGUF bytes, and costs them, where the import keeps blocks (import_gguf's weights="quantized").
+BLOCK_TYPES = frozenset(
+    {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+
+
 @dataclass(frozen=True)
 class Form:
-    """What one GGUF tensor becomes: float32, or MLX affine with `bits` in groups of 32."""
+    """What one GGUF tensor becomes: float32, MLX affine with `bits` in groups of 32, or its GGUF blocks."""
 
-    bits: int = 0  # 0: float32
+    bits: int = 0  # 0: float32 (or blocks)
     exact: bool = True
+    blocks: str = ""  # a BLOCK_TYPES name: the rows' GGUF bytes, kept as stored
 
     @property
     def quantized(self) -> bool:
+        """MLX affine (weight, scales, biases)."""
         return self.bits > 0
 
     @property
     def label(self) -> str:
+        if self.blocks:
+            return f"{self.blocks.lower()} blocks"
         return f"affine{self.bits}/g{GROUP}" if self.bits else "float32"
 
 
@@ -145,12 +163,15 @@ _EXACT: dict[GGMLQuantizationType, tuple[int, Callable[[np.ndarray], Unpacked]]]
 }
 
 
-def form_for(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Form:
+def form_for(qtype: GGMLQuantizationType, shape: tuple[int, ...], blocks: bool = False) -> Form:
     """The form a GGUF tensor of `qtype` and HF `shape` takes: only matrices (2-D, or 3-D stacks of experts'
     matrices) whose input dimension divides into groups of 32 are quantized (norms, biases and odd shapes
-    stay float32)."""
+    stay float32). With `blocks`, a 2-D matrix of a BLOCK_TYPES type stays as stored (expert stacks stay
+    affine: mlx-lm's switch layers gather them)."""
     if qtype in FLOAT_TYPES or len(shape) not in (2, 3) or shape[-1] % GROUP:
         return FLOAT32  # float GGUF tensors are already exact as float32 (float16 matmul ran slower on CPU)
+    if blocks and qtype in BLOCK_TYPES and len(shape) == 2 and shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0:
+        return Form(blocks=qtype.name)
     if qtype in _EXACT:
         return Form(bits=_EXACT[qtype][0])
     return Form(bits=FALLBACK_BITS, exact=False)

@@ -1,10 +1,10 @@
-"""Write a safetensors file one tensor at a time (float32, float16 or uint32 tensors).
+"""Write a safetensors file one tensor at a time (float32, float16, uint32 or uint8 tensors).
 
 `safetensors.numpy.save_file` needs every array in memory at once; the importer streams instead and holds
 one tensor at a time. The shapes are known up front, but not every dtype: a quantized matrix's scales are
 stored as float16 only when that loses nothing, which is known once the tensor is converted. So the header
-space is reserved for the largest offsets any choice of dtypes could give (every dtype name is 3 characters;
-only the offsets' digits vary), the tensors are written as they come, and the header, padded with spaces to
+space is reserved for the largest offsets any choice of dtypes could give (every dtype name is at most 3
+characters; only the offsets' digits vary), the tensors are written as they come, and the header, padded with spaces to
 that size (the format allows it), is written last.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-DTYPES = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<u4"): "U32"}
+DTYPES = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<u4"): "U32", np.dtype("u1"): "U8"}
 _MAX_ITEMSIZE = 4
 
 
@@ -35,7 +35,8 @@ def write_safetensors(
     arrays: Iterable[tuple[str, np.ndarray]],
     metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write `arrays` (yielded in the order of `shapes`, with those shapes; float32, float16 or uint32)."""
+    """Write `arrays` (yielded in the order of `shapes`, with those shapes; float32, float16, uint32, uint8:
+    GGUF blocks as stored)."""
     worst: dict[str, dict[str, object]] = {}
     offset = 0
     for name, shape in shapes.items():
@@ -57,7 +58,7 @@ def write_safetensors(
                 raise ValueError(f"tensor {got} out of order; expected {want_name} {want_shape}")
             dtype = DTYPES.get(array.dtype.newbyteorder("<"))
             if dtype is None:
-                raise ValueError(f"tensor {name} has dtype {array.dtype}; only float32, float16, uint32")
+                raise ValueError(f"tensor {name} has dtype {array.dtype}; only float32, float16, uint32, uint8")
             data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
             span = [offset, offset + data.nbytes]
             entries[name] = {"dtype": dtype, "shape": list(want_shape), "data_offsets": span}

@@ -7,7 +7,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model
+
+from shardline.compute.gguf_linear import load_model
 
 # How far a quantized model's logits may stray from the same weights' float32 product, over the largest
 # logit: on CPU the native kernel rounds activations to int16 per block of 32 (at most max|x_block| / 65534

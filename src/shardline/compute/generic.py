@@ -466,6 +466,8 @@ def _hidden_size(config: dict, embeddings: list[tuple[nn.Module, str, nn.Module]
                 return int(source[key])
     for _, _, e in embeddings:
         w = e.get("weight") if isinstance(e, dict) else None
+        if isinstance(getattr(e, "input_dims", None), int):  # GGUF blocks (compute/gguf_linear.py)
+            return int(e.input_dims)
         if isinstance(w, mx.array):
             return int(w.shape[-1]) * (32 // e.bits if "scales" in e else 1)
     raise ValueError("cannot tell the model's hidden size")

@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from shardline.compute.gguf_linear import CONFIG_KEY as GGUF_CONFIG_KEY
-from shardline.compute.gguf_linear import block_shape, qtype_of
+from shardline.compute.gguf_linear import block_shape
+from shardline.models.gguf_quant import largest_block
 
 Reduce = Callable[[mx.array], mx.array]
 
@@ -84,9 +84,7 @@ def check_split(config: dict, size: int) -> None:
     for what, n in (("attention heads", heads), ("KV heads", kv_heads), ("MLP columns", inter)):
         if n % size:
             raise GroupSumError(f"{n} {what} do not split into {size} equal parts")
-    group = int((config.get("quantization") or {}).get("group_size") or 0)
-    if blocks := config.get(GGUF_CONFIG_KEY):  # the largest GGUF block any matrix has
-        group = max([group, *(block_shape(qtype_of(name))[0] for name in set(blocks.values()))])
+    group = largest_block(config)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     for what, n in (("attention output", heads // size * head_dim), ("MLP", inter // size)):
         if group and n % group:

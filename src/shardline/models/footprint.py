@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shardline.models.errors import CorruptModelError
+from shardline.models.gguf_quant import largest_block
 from shardline.models.store.formats import describe_weights
 from shardline.models.validate import mlx_lm_architecture
 
@@ -485,7 +486,7 @@ def footprint_from_dir(model_dir: Path, name: str | None = None) -> ModelFootpri
         kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=_first(config, "intermediate_size") or 0,
-        quant_group=int((top.get("quantization") or {}).get("group_size") or 0),
+        quant_group=largest_block(top),
         tensor_split=_split_refusal(arch, config, per_layer, head_dim),
         model_type=model_type,
         experts=moe.experts,

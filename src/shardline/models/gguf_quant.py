@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -60,6 +61,20 @@ BLOCK_TYPES = frozenset(
         GGMLQuantizationType.Q6_K,
     }
 )
+
+
+def block_elements(name: str) -> int:
+    """The weights in one block of the GGUF type `name` ("Q4_K": 256); KeyError for a type gguf lacks."""
+    return int(GGML_QUANT_SIZES[GGMLQuantizationType[name]][0])
+
+
+def largest_block(config: dict[str, Any]) -> int:
+    """The largest quantization block of a model's matrices: its affine group size, or the largest GGUF
+    block its config's `gguf_quantization` names (0: float weights). A split of the inputs must keep these
+    whole."""
+    group = int((config.get("quantization") or {}).get("group_size") or 0)
+    blocks = config.get("gguf_quantization") or {}
+    return max([group, *(block_elements(name) for name in set(blocks.values()))])
 
 
 @dataclass(frozen=True)

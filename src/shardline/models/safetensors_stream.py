@@ -4,8 +4,8 @@
 one tensor at a time. The shapes are known up front, but not every dtype: a quantized matrix's scales are
 stored as float16 only when that loses nothing, which is known once the tensor is converted. So the header
 space is reserved for the largest offsets any choice of dtypes could give (every dtype name is at most 3
-characters; only the offsets' digits vary), the tensors are written as they come, and the header, padded with spaces to
-that size (the format allows it), is written last.
+characters; only the offsets' digits vary), the tensors are written as they come, and the header, padded
+with spaces to that size (the format allows it), is written last.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def write_safetensors(
                 raise ValueError(f"tensor {got} out of order; expected {want_name} {want_shape}")
             dtype = DTYPES.get(array.dtype.newbyteorder("<"))
             if dtype is None:
-                raise ValueError(f"tensor {name} has dtype {array.dtype}; only float32, float16, uint32, uint8")
+                raise ValueError(f"tensor {name}: dtype {array.dtype} is not float32, float16, uint32, uint8")
             data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
             span = [offset, offset + data.nbytes]
             entries[name] = {"dtype": dtype, "shape": list(want_shape), "data_offsets": span}

@@ -314,12 +314,12 @@ def load_shard(
     for i, layer in enumerate(blocks):  # one layer at a time: only this member's slice is ever read in full
         held = owners[i] if owners is not None else None
         generic.heads_split.append(expert_parallel.split_member(layer, member, group, held, expert_heads))
+        if not blocks_as_stored:  # GGUF blocks as MLX affine, once, where the CPU kernel does not run them
+            gguf_linear.to_affine_layers(layer)
         if on_cpu:
             if not why:  # llama-shaped blocks call their projections and nothing else reads them
                 make_input_major(layer)
             make_cpu_quantized(layer)
-        if not blocks_as_stored:  # GGUF blocks as MLX affine, once, where the CPU kernel does not run them
-            gguf_linear.to_affine_layers(layer)
         mx.eval(layer.parameters())
     if why:
         if not generic.heads_out:

@@ -167,7 +167,8 @@ def _pick(
     else:
         scaled = logits / params.temperature
         if params.top_k and params.top_k < scaled.shape[0]:
-            kth = mx.sort(scaled)[-params.top_k]
+            at = scaled.shape[0] - params.top_k  # the k-th largest value, without sorting them all
+            kth = mx.partition(scaled, kth=at)[at]
             scaled = mx.where(scaled < kth, -math.inf, scaled)
         if params.min_p > 0.0:
             floor = scaled.max() + math.log(params.min_p)

@@ -140,6 +140,28 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _counts(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(positive(int(x), flag) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise CliError(f"{flag} takes counts separated by commas, e.g. 1,8 ({exc})") from exc
+
+
+def cmd_bench_products(args: argparse.Namespace) -> int:
+    import os
+
+    from shardline.bench.products import run
+
+    rows = _counts(args.rows, "--rows")
+    threads = _counts(args.threads, "--threads") if args.threads else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads and max(threads) > cores:
+        raise CliError(f"--threads {max(threads)}: this process may use {cores} cores")
+    rounds = positive(args.rounds, "--rounds")
+    run(json_path=args.json, rows=rows, threads=threads, rounds=rounds, quick=args.quick)
+    return 0
+
+
 def cmd_bench_llama_cpp(args: argparse.Namespace) -> int:
     from shardline.bench.llama_cpp import main
 
@@ -309,6 +331,18 @@ def add_commands(sub: Any) -> None:
     )
     bsc.add_argument("--tokens", type=int, default=8, help="tokens to generate")
     bsc.set_defaults(func=cmd_bench_scale)
+    bp = bsub.add_parser(
+        "products",
+        help="one weight product per decode shape: GGUF's own blocks against MLX affine (GB/s, bandwidth)",
+    )
+    bp.add_argument("--json", type=Path, default=None, help=JSON_HELP)
+    bp.add_argument("--rows", default="1,8", help="rows of x (tokens) per product, comma-separated")
+    bp.add_argument(
+        "--threads", default=None, help="thread counts, comma-separated (default: 1 and every core)"
+    )
+    bp.add_argument("--rounds", type=int, default=3, help="rounds, the two products alternating in each")
+    bp.add_argument("--quick", action="store_true", help="one tiny shape, one round: a smoke run")
+    bp.set_defaults(func=cmd_bench_products)
     bl = bsub.add_parser(
         "llama-cpp", help="build llama.cpp's llama-bench, llama-perplexity, llama-tokenize (the reference)"
     )

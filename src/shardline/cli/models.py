@@ -4,6 +4,7 @@ synthesise random-weight models."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,10 @@ def cmd_models_synth(args: argparse.Namespace) -> int:
     from shardline.models.synth import active_parameter_count, arch_spec, weight_sizes, write_synth_model
     from shardline.models.synth_moe import describe_arch
 
+    if args.gguf:
+        return _synth_gguf(args)
+    if args.shape or args.quant or args.keep_f16 or args.quantizer:
+        raise CliError("--shape, --quant, --keep-f16 and --quantizer are options of --gguf")
     if not NAME_PATTERN.fullmatch(args.name):
         raise CliError(f"{args.name!r} is not a model name (letters, digits, . _ + -)")
     dtype = args.dtype or ("float16" if args.bits else "float32")
@@ -230,11 +235,11 @@ def cmd_models_synth(args: argparse.Namespace) -> int:
     spec = arch_spec(
         args.arch,
         **shape,
-        vocab=args.vocab,
+        vocab=args.vocab or 32000,
         bits=args.bits,
         group_size=args.group_size,
         dtype=dtype,
-        context=args.context,
+        context=args.context or 4096,
         tied=args.tied,
         seed=args.seed,
     )
@@ -252,6 +257,65 @@ def cmd_models_synth(args: argparse.Namespace) -> int:
         f"{_size(sizes['stored_bytes'])} of weights ({_size(sizes['float32_bytes'])} as float32); "
         "random weights: for speed and memory benchmarks only"
     )
+    return 0
+
+
+def _synth_gguf(args: argparse.Namespace) -> int:
+    """`models synth --gguf`: a GGUF in a real model's shape (models/synth_gguf.py). A PATH (a name ending
+    in .gguf, or with a directory) is written and left there; a NAME is written beside the cache
+    (its gguf/ directory) and imported into it under NAME, as `models pull FILE.gguf` would."""
+    from shardline.bench.llama_cpp import BUILD_HINT, binary
+    from shardline.models.reference import import_gguf_file, remove_entry
+    from shardline.models.registry import NAME_PATTERN, cache_dir, models_root
+    from shardline.models.synth_gguf import DEFAULT_QUANT, QuantizerMissingError, shape_of, synth_gguf
+
+    if args.arch != "llama" or any(getattr(args, k) is not None for k in _SHAPE[5:]):
+        raise CliError(
+            "--gguf takes its architecture from --shape; of the shape options only --layers, "
+            "--hidden, --intermediate, --heads, --kv-heads, --vocab, --context and --tied"
+        )
+    given = {k: getattr(args, k) for k in _SHAPE[:5]}
+    shape_name = args.shape or "qwen2-1.5b"
+    try:
+        shape = shape_of(shape_name, **given, vocab=args.vocab, context=args.context, tied=args.tied or None)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    as_path = args.name.endswith(".gguf") or "/" in args.name or os.sep in args.name
+    if not as_path and not NAME_PATTERN.fullmatch(args.name):
+        raise CliError(f"{args.name!r} is neither a model name (letters, digits, . _ + -) nor a .gguf path")
+    root = args.models_dir or cache_dir()
+    path = Path(args.name).expanduser() if as_path else root.parent / "gguf" / f"{args.name}.gguf"
+    if path.exists() and not args.force:
+        raise CliError(f"{path} exists (--force replaces it)")
+    if not as_path and (root / args.name).exists() and not args.force:
+        raise CliError(f"model {args.name!r} exists in {root} (--force replaces it)")
+    quant = (args.quant or DEFAULT_QUANT).upper()
+    label = path.stem if as_path else args.name
+    try:
+        synth_gguf(
+            path,
+            shape,
+            quant,
+            quantize_exe=binary("llama-quantize"),
+            name=f"{label} ({shape_name})",
+            seed=args.seed,
+            keep_f16=args.keep_f16,
+            quantizer=args.quantizer or "auto",
+            progress=True,
+        )
+    except QuantizerMissingError as exc:
+        raise CliError(f"{exc}; run `{BUILD_HINT}`") from exc
+    except (ValueError, RuntimeError) as exc:
+        raise CliError(str(exc)) from exc
+    print(
+        f"{path}: synthetic {shape_name} ({shape.arch}, layers {shape.layers}, hidden {shape.hidden}), "
+        f"{quant}, {_size(path.stat().st_size)}; random weights: for speed benchmarks only"
+    )
+    if not as_path:
+        with models_root(root):
+            if (root / args.name).exists() or (root / args.name).is_symlink():
+                remove_entry(args.name)
+            print(import_gguf_file(path, progress=True, name=args.name))
     return 0
 
 
@@ -292,7 +356,9 @@ def add_commands(sub: Any) -> None:
         "synth",
         help="write a random-weight llama or mixture of experts of any size (speed and memory benchmarks)",
     )
-    syn.add_argument("name", help="the model's name (its directory in the models directory)")
+    syn.add_argument(
+        "name", help="the model's name (its directory in the models directory); with --gguf also a .gguf path"
+    )
     syn.add_argument(
         "--arch",
         choices=["llama", "qwen3_moe", "deepseek_v3"],
@@ -324,8 +390,10 @@ def add_commands(sub: Any) -> None:
     moe.add_argument("--rope-head-dim", type=int, default=None, help="deepseek_v3: rotary key dims (32)")
     moe.add_argument("--nope-head-dim", type=int, default=None, help="deepseek_v3: other key dims (64)")
     moe.add_argument("--v-head-dim", type=int, default=None, help="deepseek_v3: value dims per head (64)")
-    syn.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    syn.add_argument("--context", type=int, default=4096, help="max_position_embeddings")
+    syn.add_argument("--vocab", type=int, default=None, help="vocabulary size (32000; --gguf: the shape's)")
+    syn.add_argument(
+        "--context", type=int, default=None, help="max_position_embeddings (4096; --gguf: the shape's)"
+    )
     syn.add_argument("--bits", type=int, default=4, help="MLX affine quantization bits (0: none)")
     syn.add_argument("--group-size", type=int, default=32, help="quantization group size")
     syn.add_argument(
@@ -338,6 +406,35 @@ def add_commands(sub: Any) -> None:
     syn.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     syn.add_argument("--models-dir", type=Path, default=None, help="where to write it (default: the cache)")
     syn.add_argument("--force", action="store_true", help="replace a model of that name")
+    gg = syn.add_argument_group(
+        "a GGUF in a real model's shape (--gguf; NAME: written beside the cache and imported as NAME, "
+        "or a PATH ending in .gguf: written there)"
+    )
+    gg.add_argument(
+        "--gguf",
+        action="store_true",
+        help="write an F16 GGUF, then llama.cpp's llama-quantize makes --quant of it: both engines read it",
+    )
+    gg.add_argument(
+        "--shape",
+        choices=["qwen2-1.5b", "llama-8b", "qwen2-tiny"],
+        default=None,
+        help="qwen2-1.5b (the default: 28 layers, hidden 1536, vocabulary 151936), llama-8b (32 layers, "
+        "hidden 4096), qwen2-tiny (2 layers, hidden 256: a few MB)",
+    )
+    gg.add_argument(
+        "--quant",
+        default=None,
+        help="the GGUF's type, any llama-quantize takes (default Q4_K_M; without llama.cpp built: F32, F16, "
+        "BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)",
+    )
+    gg.add_argument("--keep-f16", action="store_true", help="keep the F16 GGUF llama-quantize read")
+    gg.add_argument(
+        "--quantizer",
+        choices=["auto", "llama-quantize", "gguf-py"],
+        default=None,
+        help="who quantizes: llama-quantize where built (auto, the default), else gguf-py where it can",
+    )
     syn.set_defaults(func=cmd_models_synth)
 
 

@@ -342,3 +342,17 @@ def test_the_shell_answers_queries_from_the_loop_step_not_the_zenoh_callback():
     finally:
         m.close()
         session.close()
+
+
+@pytest.mark.timeout(10)
+def test_runners_share_their_nodes_cores():
+    """Unless the node sets --threads, a node's runners divide its cores: one stage alone on a machine
+    takes them all for its products; a second runner there (of any instance) halves them."""
+    auto = ms.initial(ms.MasterConfig(me="a", report_s=0.5), 1, ms.snapshot(cluster(), 0.0, 1000.0))
+    two = [cm.StageRecord(node_id="a", start=0, end=3), cm.StageRecord(node_id="b", start=3, end=6)]
+    assert layouts.runner_threads(auto, "m-s0", two) == {"a": 2, "b": 2}
+    stacked = [cm.StageRecord(node_id="a", start=0, end=3), cm.StageRecord(node_id="a", start=3, end=6)]
+    assert layouts.runner_threads(auto, "m-s0", stacked) == {"a": 1}
+    s, _ = ms.apply(auto, place(salt="s1"))  # another instance, with a runner on each node
+    assert layouts.runner_threads(s, "m-s0", two) == {"a": 1, "b": 1}
+    assert layouts.runner_threads(master(), "m-s0", two) == {"a": 1, "b": 1}  # --threads 1

@@ -10,6 +10,7 @@ measured routing makes a clearly better one.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,7 @@ def layout(
     keys = ClusterKeys(state.config.namespace)
     launches = []
     ring_stages = sum(1 for r in runners if not r.member)
+    threads = runner_threads(state, instance, runners)
     for k, a in enumerate(runners):
         group = len(runners) // ring_stages
         face = runners[a.ring if a.member and a.ring is not None else k]
@@ -88,6 +90,7 @@ def layout(
             group,
             face.expert_owners,
             face.expert_heads,
+            threads[a.node_id],
         )
         start = start.model_copy(update={"digest": digest})
         # A survivor keeps its process where its layers stay (keep is empty unless reuse is on); a group's
@@ -110,6 +113,7 @@ def _start_runner(
     group: int = 1,
     expert_owners: list[list[int]] | None = None,
     expert_heads: bool = False,
+    threads: int = 1,
 ) -> m.StartRunner:
     """The command that starts runner `slot` of a generation on node `a.node_id`; `expert_owners`,
     `expert_heads`: its expert group's map and arrangement (its face's record's)."""
@@ -130,7 +134,6 @@ def _start_runner(
         model=rec.model,
         namespace=state.config.namespace,
     )
-    threads = state.config.threads or 1
     return m.StartRunner(spec=spec, threads=threads, sources=sources, term=state.term, view_seq=state.seq)
 
 
@@ -185,6 +188,23 @@ def arranged(
 def expert_map(rec: cm.InstanceRecord) -> list[list[int]]:
     """The instance's expert map over all layers, from its faces' records ([] where it has none)."""
     return model_owners([(s.start, s.end, s.expert_owners) for s in rec.stages if not s.member])
+
+
+def runner_threads(state: ms.MasterState, instance: str, runners: Sequence[cm.StageRecord]) -> dict[str, int]:
+    """Threads for each node's runners of this layout: the node's setting (MasterConfig.threads), else its
+    cores shared by the runners it would hold, of this instance and of every other one (a stage alone on
+    its machine uses all its cores for one token; the products split their rows across them)."""
+    here = Counter(a.node_id for a in runners)
+    if state.config.threads:
+        return {node: state.config.threads for node in here}
+    others = Counter(s.node_id for name, rec in state.records.items() if name != instance for s in rec.stages)
+    reports = state.snapshot.cluster.reports
+    out = {}
+    for node, count in here.items():
+        report = reports.get(node)
+        cpus = report.resources.cpus if report is not None and report.resources is not None else 1
+        out[node] = max(1, cpus // (count + others[node]))
+    return out
 
 
 def holds_stages(snap: cs.ClusterState, node_id: str) -> bool:

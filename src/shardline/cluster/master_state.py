@@ -36,7 +36,7 @@ class MasterConfig:
     me: str  # the master's node id
     namespace: str = "shardline"
     report_s: float = 0.5  # the node report period: a new master rebuilds after two
-    threads: int = 1  # per runner
+    threads: int = 0  # per runner; 0: each node's cores over the runners it holds (layouts.runner_threads)
     spec_fields: Mapping[str, Any] = field(default_factory=dict)  # RunnerSpec fields the settings decide
 
 

@@ -368,7 +368,7 @@ class Node:
             me=self.node_id,
             namespace=self.config.namespace,
             report_s=self.config.report_s,
-            threads=self.config.threads or 1,
+            threads=self.config.threads,
             spec_fields=r.settings_fields(),
         )
         return Master(

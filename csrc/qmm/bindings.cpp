@@ -10,8 +10,10 @@
 
 #include "mlx/version.h"
 #include "gather.h"
+#include "gguf_primitive.h"
 #include "group_sum.h"
 #include "ops.h"
+#include "pool.h"
 #include "primitive.h"
 
 namespace nb = nanobind;
@@ -32,6 +34,23 @@ NB_MODULE(_qmm, m) {
   m.def("quantized_swiglu", &shardline_qmm::quantized_swiglu, "x"_a, "w_gate"_a, "s_gate"_a, "b_gate"_a,
         "w_up"_a, "s_up"_a, "b_up"_a, "group_size"_a, "bits"_a,
         "silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) in one op (float32 x).");
+  m.def("gguf_matmul", &shardline_qmm::gguf_matmul, "x"_a, "w"_a, "qtype"_a,
+        "x @ dequantize(w).T -> float32 on the CPU, w (N, K / block * block_bytes) uint8 holding each row's GGUF "
+        "blocks as stored (types Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14); x rounded to int8 per 32 "
+        "below gemm_rows rows.");
+  m.def("gguf_matmul_many", &shardline_qmm::gguf_matmul_many, "x"_a, "ws"_a, "qtypes"_a,
+        "x against several GGUF weights, each of its own type, in one op (x rounded once); one output each.");
+  m.def("gguf_swiglu", &shardline_qmm::gguf_swiglu, "x"_a, "w_gate"_a, "t_gate"_a, "w_up"_a, "t_up"_a,
+        "silu(x @ gate.T) * (x @ up.T) -> float32 in one op, on GGUF weights.");
+  m.def("gguf_rows", &shardline_qmm::gguf_rows, "w"_a, "ids"_a, "qtype"_a,
+        "Rows ids of dequantize(w) -> float32 ids.shape + (K,), bit-equal to gguf.quants.dequantize (zeros for an "
+        "id out of range).");
+  m.def("gguf_block", &shardline_qmm::gguf_block, "qtype"_a, "(block_elements, block_bytes) of a GGUF type.");
+  m.def("gguf_supported", &shardline_qmm::gguf_supported, "qtype"_a, "Whether gguf_matmul reads this GGUF type.");
+  m.def("set_threads", &shardline_qmm::set_threads, "n"_a, "min_bytes"_a = 32768,
+        "Threads per product, the caller included (output rows split between them; 1: none); a product is "
+        "split only where each thread gets at least min_bytes of weights.");
+  m.def("threads", &shardline_qmm::threads, "Threads per product.");
   m.def("rms_norm", &shardline_qmm::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "x * rsqrt(mean(x^2) + eps) * weight over the last axis, as one CPU op (float32).");
   m.def("rope_bthd", &shardline_qmm::rope_bthd, "x"_a, "offsets"_a, "dims"_a, "traditional"_a, "base"_a,

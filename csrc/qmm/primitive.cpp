@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernel.h"
+#include "pool.h"
 #include "product.h"
 #include "small_op.h"
 #include "util.h"
@@ -151,20 +152,24 @@ Prepared prepare_rows(const float* x, int M, int K, int group_size, int bits, Pa
 void run_problem(const Problem& p, const QX& xq, Path path) {
   if (p.M == 0 || p.N == 0) return;
   const Kernels* k = g_kernels.load(std::memory_order_relaxed);
+  const size_t row_bytes = size_t(p.K) * p.bits / 8;
   if (path == Path::Integer) {
-    k->int_rows(p, xq, 0, p.N);
+    parallel_rows(p.N, 4, row_bytes, [&](int n0, int n1) { k->int_rows(p, xq, n0, n1); });
   } else if (path == Path::Gemm) {
-    // Many rows: dequantize a tile of w once and let BLAS reuse it across all of them.
-    thread_local std::vector<float> tile;
-    tile.resize(size_t(kTileRows) * p.K);
-    for (int n0 = 0; n0 < p.N; n0 += kTileRows) {
-      const int n1 = std::min(p.N, n0 + kTileRows);
-      k->dequant(p, n0, n1, tile.data());
-      cblas_sgemm(101 /* row major */, 111 /* no trans */, 112 /* trans */, p.M, n1 - n0, p.K, 1.0f, p.x, p.K,
-                  tile.data(), p.K, 0.0f, p.y + n0, int(p.ldy));
-    }
+    // Many rows: dequantize a tile of w once and let BLAS reuse it across all of them. Threads take whole
+    // tiles, so that each output element comes from the same BLAS call whatever the thread count.
+    parallel_rows(p.N, kTileRows, row_bytes * size_t(p.M), [&](int c0, int c1) {
+      thread_local std::vector<float> tile;
+      tile.resize(size_t(kTileRows) * p.K);
+      for (int n0 = c0; n0 < c1; n0 += kTileRows) {
+        const int n1 = std::min(c1, n0 + kTileRows);
+        k->dequant(p, n0, n1, tile.data());
+        cblas_sgemm(101 /* row major */, 111 /* no trans */, 112 /* trans */, p.M, n1 - n0, p.K, 1.0f, p.x, p.K,
+                    tile.data(), p.K, 0.0f, p.y + n0, int(p.ldy));
+      }
+    });
   } else {
-    k->rows(p, 0, p.N);
+    parallel_rows(p.N, 4, row_bytes, [&](int n0, int n1) { k->rows(p, n0, n1); });
   }
 }
 

@@ -333,10 +333,11 @@ def add_commands(sub: Any) -> None:
     )
     pull.add_argument(
         "--dtype",
-        choices=["quantized", "float32"],
+        choices=["quantized", "affine", "float32"],
         default=None,
-        help="quantized: GGUF quantized matrices stay quantized (MLX affine, the default for a new import); "
-        "float32: every weight dequantized (4-8x the bytes). Imports again when the cached copy differs",
+        help="quantized: GGUF blocks kept as stored where the CPU kernel reads them, else MLX affine (the "
+        "default for a new import); affine: every quantized matrix as MLX affine; float32: every weight "
+        "dequantized (4-8x the bytes). Imports again when the cached copy differs",
     )
     pull.set_defaults(func=cmd_models_pull)
     lst = msub.add_parser("list", help="the models in the cache: format, size, source, digest")

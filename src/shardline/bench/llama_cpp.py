@@ -1,5 +1,5 @@
-"""llama.cpp as a reference here: build `llama-bench`, `llama-perplexity`, `llama-tokenize` and `llama-quantize`
-once, run them.
+"""llama.cpp as a reference here: build `llama-bench`, `llama-perplexity`, `llama-tokenize` and
+`llama-quantize` once, run them.
 
 The source is the llama.cpp that the `llama-cpp-python` sdist vendors (one pinned version, fetched with pip,
 the ordinary client of the registry), built CPU-only with native instructions into the user's cache. It is
@@ -132,16 +132,23 @@ def parse_bench_json(text: str) -> dict[str, float]:
 
 
 def llama_bench(
-    gguf: Path, threads: int, prompt: int = 512, gen: int = 128, repetitions: int = 2, timeout: float = 900
+    gguf: Path,
+    threads: int,
+    prompt: int = 512,
+    gen: int = 128,
+    repetitions: int = 2,
+    timeout: float = 900,
+    cpus: int | None = None,
 ) -> dict[str, float] | None:
-    """llama.cpp's prefill and decode tokens/s for `gguf` on `threads` pinned cores; None when not built."""
+    """llama.cpp's prefill and decode tokens/s for `gguf` on `threads` threads pinned to the first `cpus`
+    cores (default: as many as threads); prompt or gen 0 skips that test. None when not built."""
     exe = binary("llama-bench")
     if exe is None:
         return None
     cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen)]
     cmd += ["-r", str(repetitions), "-o", "json"]
     done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, check=True, preexec_fn=_pinned(threads)
+        cmd, capture_output=True, text=True, timeout=timeout, check=True, preexec_fn=_pinned(cpus or threads)
     )
     return parse_bench_json(done.stdout)
 

@@ -191,16 +191,10 @@ def _llama_cpp(gguf: Path | None, text_file: Path, ctx: int, chunks: int | None)
 
 
 def source_gguf(model: str | None, model_dir: Path) -> Path | None:
-    """The GGUF a known model was imported from (the llama.cpp reference runs on it)."""
-    from shardline.models.errors import ModelError
-    from shardline.models.registry import DEFAULT_MODEL, KNOWN_MODELS, gguf_source
+    """The GGUF the model was imported from (the llama.cpp reference runs on it)."""
+    from shardline.bench.engine_references import model_gguf
 
-    name = model or DEFAULT_MODEL
-    name = name if name in KNOWN_MODELS else model_dir.name
-    try:
-        return gguf_source(name) if name in KNOWN_MODELS else None
-    except ModelError:
-        return None
+    return model_gguf(model, model_dir)[0]
 
 
 def run(

@@ -148,6 +148,11 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
     }
     for s in args["shapes"]:
         result["shapes"][str(s["index"])] = _measure_shape(module if gguf_native else None, s, into, args)
+    # Measured again after the products, the best of both (as read_bandwidth keeps its best run): a
+    # neighbour's load during one of them would otherwise inflate every share.
+    again = read_bandwidth(2048, 2048, 1) if quick else read_bandwidth()
+    result["read_bandwidth_runs_gbps"] = [bandwidth, again]
+    result["read_bandwidth_gbps"] = max(bandwidth, again)
     return result
 
 
@@ -265,6 +270,7 @@ def run(
         "rows": list(rows),
         "threads": counts,
         "read_bandwidth_gbps": {},
+        "read_bandwidth_runs_gbps": {},
         "shapes": [],
     }
     with tempfile.TemporaryDirectory(prefix="bench-products-") as tmp:
@@ -285,6 +291,7 @@ def run(
                 raise RuntimeError(f"bench products worker ({t} threads) failed: {done.stderr[-2000:]}")
             raws[t] = json.loads(done.stdout.strip().splitlines()[-1])
             result["read_bandwidth_gbps"][str(t)] = raws[t]["read_bandwidth_gbps"]
+            result["read_bandwidth_runs_gbps"][str(t)] = raws[t]["read_bandwidth_runs_gbps"]
             result["isa"] = raws[t]["isa"]
             result["gguf_native"] = raws[t]["gguf_native"]
     for s in prepared:
@@ -316,7 +323,7 @@ def print_table(result: dict[str, Any]) -> None:
     bw = ", ".join(f"{t} thread(s) {g} GB/s" for t, g in result["read_bandwidth_gbps"].items())
     print(f"read bandwidth: {bw}")
     rows = [str(r) for r in result["rows"]]
-    head = ["threads", "matrix (out x in)", "format", *[f"{r} row ms" for r in rows], "GB/s", "share"]
+    head = ["threads", "matrix (out x in)", "format", *[f"{r} row ms" for r in rows], "1 row GB/s", "share"]
     head += [f"{r}/1" for r in rows if r != "1"]
     print(" | ".join(head))
     for s in result["shapes"]:

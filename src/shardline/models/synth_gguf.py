@@ -19,7 +19,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -367,14 +367,11 @@ def synth_gguf(
         )
     f16 = path.with_name(path.name.removesuffix(".gguf") + ".f16.gguf")
     write_gguf(f16, shape, "F16", name=name, seed=seed, progress=progress)
+    if progress:  # minutes on a few cores, silent otherwise
+        print(f"llama-quantize {f16.name} -> {quant}", file=sys.stderr, flush=True)
     try:
         llama_quantize(quantize_exe, f16, path, quant)
     finally:
         if not keep_f16:
             f16.unlink(missing_ok=True)
     return path
-
-
-def describe(shape: GGUFShape, name: str) -> dict[str, Any]:
-    """What `models synth --gguf` says of what it wrote (and the bench reports)."""
-    return {"shape": name, "parameters": parameter_count(shape), "purpose": PURPOSE, **asdict(shape)}

@@ -220,6 +220,9 @@ const GgufKernels& gguf_kernels_scalar() {
 }
 
 const GgufKernels& gguf_kernels_for(const char* isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (std::strcmp(isa, "avx512_vnni") == 0) return gguf_kernels_avx512_vnni();
+#endif
   (void)isa;
   return gguf_kernels_scalar();
 }

@@ -1,5 +1,6 @@
 """`shardline models synth --gguf`: synthetic GGUFs in a real model's shape that our importer takes (written
-by gguf-py here: no llama.cpp build needed), and `shardline bench products --quick`."""
+by gguf-py here: no llama.cpp build needed; by llama-quantize too where it is built), and `shardline bench
+products --quick`."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from tokenizers import Tokenizer
 
+from shardline.bench.llama_cpp import BUILD_HINT, binary
 from shardline.cli.main import main
 from shardline.models import synth_gguf
 from shardline.models.gguf_import import import_gguf
 from shardline.models.registry import resolve_model
 from shardline.models.synth_gguf import SHAPES, shape_of
 from shardline.models.synth_gguf import synth_gguf as write
+from shardline.testing.tokenizer_fixtures import llama_tokenize
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -150,3 +153,20 @@ def test_bench_products_quick_reports_every_figure(tmp_path):
         if result["gguf_native"]:
             assert set(per["speedup_gguf_vs_affine"]) == {"1", "8"}
             assert max(per["relative_difference"].values()) < 0.05  # the same blocks, x rounded to int8
+
+
+@pytest.mark.skipif(
+    binary("llama-quantize") is None or binary("llama-tokenize") is None,
+    reason=f"llama.cpp's llama-quantize is not built here (`{BUILD_HINT}`)",
+)
+def test_q4_k_m_by_llama_quantize_imports_and_tokenizes_as_llama_cpp(tmp_path):
+    exe = binary("llama-quantize")
+    path = write(tmp_path / "tiny.gguf", shape_of("qwen2-tiny"), "Q4_K_M", quantize_exe=exe)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]  # the F16 file removed
+    types = {GGMLQuantizationType(t.tensor_type).name for t in GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K", "F32"} <= types
+    out = import_gguf(path, tmp_path / "imported", progress=False)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tokenize = binary("llama-tokenize")
+    assert tokenize is not None
+    assert llama_tokenize(tokenize, path, TEXT) == tok.encode(TEXT).ids

@@ -182,7 +182,7 @@ def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
 
 # Short chat prompts for the default model: eight different answers, none of them long.
 PROMPTS = [
-    "What is the capital of France?",
+    "Name the capital of France.",
     "Write a haiku about the sea.",
     "List three prime numbers.",
     "Explain what a CPU does in one sentence.",

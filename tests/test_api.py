@@ -26,7 +26,7 @@ from shardline.testing.cluster import LocalCluster
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 KEY = "sk-test-key"
-QUESTION = "What is the capital of France?"
+QUESTION = "Name the capital of France."
 ORIGIN = "http://dashboard.example"
 
 

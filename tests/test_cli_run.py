@@ -57,7 +57,7 @@ def test_chat_in_a_terminal_streams_stops_on_ctrl_c_and_leaves_nothing_running(m
         pids = [node.pid, *(p.pid for p in node.children(recursive=True))]
         assert len(pids) > 1, "no runner under the node"
 
-        child.sendline("What is the capital of France?")
+        child.sendline("Name the capital of France.")
         child.expect("Paris")
         child.expect(r"\d+ tokens, [\d.]+ tokens/s")
         child.expect_exact(">>> ")
@@ -126,7 +126,7 @@ def test_one_prompt_through_a_running_cluster_leaves_it_running(joined):
         "--max-tokens",
         "24",
         MODEL,
-        "What is the capital of France?",
+        "Name the capital of France.",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr

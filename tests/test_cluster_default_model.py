@@ -20,7 +20,7 @@ from shardline.cluster.placement import PlacementRequest
 from shardline.testing.cluster import MODEL_RUNNERS, LocalCluster, free_port
 
 pytestmark = pytest.mark.slow
-QUESTION = "What is the capital of France?"
+QUESTION = "Name the capital of France."
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from shardline.models.registry import resolve_model
 
-QUESTION = "What is the capital of France?"
+QUESTION = "Name the capital of France."
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from shardline.api.routes.responses_store import ResponseStore
 from shardline.testing.cluster import LocalCluster
 
 MODEL = "smollm2-135m-instruct"
-QUESTION = "What is the capital of France?"
+QUESTION = "Name the capital of France."
 WEATHER = {
     "type": "function",
     "name": "get_weather",

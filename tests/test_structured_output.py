@@ -358,7 +358,7 @@ def test_unconstrained_output_is_unchanged_beside_constrained_requests(oai):
     """The same greedy answer before, and while constrained requests share the batch."""
     import threading
 
-    before = _chat(oai, "What is the capital of France?", temperature=0, max_tokens=24)
+    before = _chat(oai, "Name the capital of France.", temperature=0, max_tokens=24)
     constrained: list[Any] = []
     threads = [
         threading.Thread(
@@ -370,7 +370,7 @@ def test_unconstrained_output_is_unchanged_beside_constrained_requests(oai):
     ]
     for t in threads:
         t.start()
-    during = _chat(oai, "What is the capital of France?", temperature=0, max_tokens=24)
+    during = _chat(oai, "Name the capital of France.", temperature=0, max_tokens=24)
     for t in threads:
         t.join(timeout=200)
     assert during.choices[0].message.content == before.choices[0].message.content
@@ -405,10 +405,10 @@ def test_n_choices_equal_separate_requests_with_the_same_seeds(oai):
 
 @pytest.mark.timeout(300)
 def test_logit_bias_forces_and_bans_tokens(oai, tokenizer):
-    free = _chat(oai, "What is the capital of France?", temperature=0, max_tokens=8)
+    free = _chat(oai, "Name the capital of France.", temperature=0, max_tokens=8)
     first = tokenizer.encode(free.choices[0].message.content, add_special_tokens=False)[0]
     banned = _chat(
-        oai, "What is the capital of France?", temperature=0, max_tokens=8, logit_bias={first: -100}
+        oai, "Name the capital of France.", temperature=0, max_tokens=8, logit_bias={first: -100}
     )
     assert tokenizer.encode(banned.choices[0].message.content, add_special_tokens=False)[0] != first
     forced_id = tokenizer.encode(" banana", add_special_tokens=False)[0]

@@ -228,7 +228,7 @@ def node_flags(args: argparse.Namespace) -> list[str]:
     return ["--no-prefix-cache"] if args.no_prefix_cache else []
 
 
-def curl_line(api: str, model: str, prompt: str = "What is the capital of France?") -> str:
+def curl_line(api: str, model: str, prompt: str = "Name the capital of France.") -> str:
     messages = [{"role": "user", "content": prompt}]
     body = json.dumps({"model": model, "stream": True, "temperature": 0, "messages": messages})
     return f"curl -N {api}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"

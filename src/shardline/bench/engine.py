@@ -40,7 +40,7 @@ from shardline.bench.engine_node import (
     stage_bytes,
 )
 from shardline.bench.engine_prefix import PrefixWork, prefix_round
-from shardline.bench.engine_profile import measure as measure_profile
+from shardline.bench.engine_profile import measure_or_reason as measure_profile
 from shardline.bench.engine_profile import token_accounts
 from shardline.bench.engine_references import LLAMA_PROMPT, Baseline, LlamaCpp, llama_reference
 from shardline.bench.engine_runs import (
@@ -446,7 +446,11 @@ def _print_table(result: dict) -> None:
 
 def _print_ops(ops: dict) -> None:
     """One decode token on one pinned stage, in milliseconds, from the whole token down to each op kind."""
-    print(f"one decode token, one pinned stage, ms ({ops['path']} path, context {ops['context']}):")
+    if "skipped" in ops:
+        print(f"one decode token, op by op: skipped ({ops['skipped']})")
+        return
+    why = f": {ops['why_generic']}" if ops.get("why_generic") else ""
+    print(f"one decode token, one pinned stage, ms ({ops['path']} path{why}; context {ops['context']}):")
     rest = ops["transport_and_leader"]
     print(f"  token {ops['token']:.3f} = step {ops['step']:.3f} + transport and leader {rest:.3f}")
     print(

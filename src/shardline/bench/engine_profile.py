@@ -100,7 +100,7 @@ def _instrument(shard: Any, timer: Timer) -> Callable[[bool], None]:
     measured token by token in turn (a shared machine's speed drifts)."""
     from shardline.compute import batched
 
-    plain = {k: getattr(shard, k) for k in ("plans", "forward", "final_norm", "head", "embed")}
+    plain = {k: getattr(shard, k, None) for k in ("plans", "forward", "final_norm", "head", "embed")}
     block = batched.decode_block
     timed: dict[str, Any] = {}
     if plain["plans"] is not None:
@@ -122,15 +122,77 @@ def _instrument(shard: Any, timer: Timer) -> Callable[[bool], None]:
         }
         if plain["embed"] is not None:  # a tied head reads it too (its as_linear, timed under the head)
             timed["embed"] = _TimedCall(plain["embed"], timer.wrap("embed", plain["embed"]))
-    else:  # the generic path: the model's own forward, timed whole
-        timed["forward"] = timer.wrap("generic_forward", plain["forward"])
     # Blocks without a plan run mlx-lm's ops (batched.decode_block): timed whole.
     timed_block = timer.wrap("blocks_mlx_lm_ops", block)
+    modules = _module_timers(shard, timer) if plain["plans"] is None else []
 
     def switch(on: bool) -> None:
         for k, v in timed.items():
             setattr(shard, k, v if on else plain[k])
         batched.decode_block = timed_block if on else block
+        for module_switch in modules:
+            module_switch(on)
+
+    return switch
+
+
+MODULES = {
+    "q_proj": "attn_qkv",
+    "k_proj": "attn_qkv",
+    "v_proj": "attn_qkv",
+    "o_proj": "attn_o",
+    "gate_proj": "mlp_gate_up",
+    "up_proj": "mlp_gate_up",
+    "down_proj": "mlp_down",
+    "input_layernorm": "norms",
+    "post_attention_layernorm": "norms",
+    "q_norm": "norms",
+    "k_norm": "norms",
+    "rope": "rope",
+    "lm_head": "head",
+    "embed_tokens": "embed",
+    "norm": "norms",
+}
+
+
+def _module_timers(shard: Any, timer: Timer) -> list[Callable[[bool], None]]:
+    """The generic path (the model's own forward): its blocks' projections, norms and rope, its attention
+    function, the embedding, final norm and untied head, each timed where the forward calls it. Returns
+    a switch for each."""
+    import mlx.nn as nn
+
+    switches: list[Callable[[bool], None]] = []
+    blocks = list(getattr(shard, "layers", []))
+    parents = [m for block in blocks for m in (block, *block.children().values())]
+    if (model := getattr(shard, "model", None)) is not None:
+        parents += [model, *model.children().values()]
+    seen: set[tuple[int, str]] = set()
+    for parent in (p for p in parents if isinstance(p, nn.Module)):
+        for name, kind in MODULES.items():
+            child = parent.get(name)
+            if isinstance(child, nn.Module) and (id(parent), name) not in seen:
+                seen.add((id(parent), name))
+                switches.append(_shadow(parent, name, _TimedCall(child, timer.wrap(kind, child))))
+    for module in {sys.modules[type(b).__module__] for b in blocks}:
+        if callable(plain := getattr(module, "scaled_dot_product_attention", None)):
+            timed = timer.wrap("attention", plain)
+
+            def swap(on: bool, module: Any = module, plain: Any = plain, timed: Any = timed) -> None:
+                module.scaled_dot_product_attention = timed if on else plain
+
+            switches.append(swap)
+    return switches
+
+
+def _shadow(parent: Any, name: str, wrapped: Any) -> Callable[[bool], None]:
+    """An instance attribute shadows the module's child of that name (nn.Module looks its children up only
+    where no attribute is found); removing it leaves the child as it was."""
+
+    def switch(on: bool) -> None:
+        if on:
+            object.__setattr__(parent, name, wrapped)
+        else:
+            object.__delattr__(parent, name)
 
     return switch
 
@@ -170,23 +232,27 @@ def profile(model_dir: Path, context: int, tokens: int, prefill_step: int = 128)
         sampling.append(end - mid)
         switch(True)
         timer.ms.clear()
+        start = time.perf_counter()
         mx.eval(shard.forward(mx.array([[token]]), cache))
+        total = 1e3 * (time.perf_counter() - start)
         switch(False)
-        if i >= 2:
-            parts.append(dict(timer.ms))
+        if i >= 2:  # "rest": the Python between the timed ops, and what runs after the last of them
+            parts.append({**timer.ms, "rest": total - sum(timer.ms.values()), "total": total})
         pos += 2
     kinds = sorted({k for p in parts for k in p})
-    ops = {k: round(statistics.median(p.get(k, 0.0) for p in parts), 3) for k in kinds}
+    ops = {k: round(statistics.median(p.get(k, 0.0) for p in parts), 3) for k in kinds if k != "total"}
     forward_ms = 1e3 * statistics.median(forward[2:])
+    eager_ms = statistics.median(p["total"] for p in parts)
     return {
         "path": getattr(shard, "path", "generic"),
+        "why_generic": getattr(shard, "why_generic", ""),
         "context": context,
         "forward": round(forward_ms, 3),
         "sampling_greedy": round(1e3 * statistics.median(sampling[2:]), 3),
         "sampling_top_k_top_p": round(1e3 * statistics.median(sampling_top[2:]), 3),
         "ops": ops,
         # What evaluating op by op added over the real forward's one evaluation (negative: it saved).
-        "eager_overhead": round(sum(ops.values()) - forward_ms, 3),
+        "eager_overhead": round(eager_ms - forward_ms, 3),
     }
 
 
@@ -209,6 +275,14 @@ def measure(model_dir: Path, context: int, tokens: int) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def measure_or_reason(model_dir: Path, context: int, tokens: int) -> dict[str, Any]:
+    """`measure`, or why it could not: the bench's other figures stand without it."""
+    try:
+        return measure(model_dir, context, tokens)
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+        return {"skipped": str(exc)}
+
+
 def main() -> None:
     # `-c` shifts argv: the values after "-c CODE".
     model_dir, context, tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -219,6 +293,8 @@ def token_accounts(result: dict[str, Any], s1_token_ms: float, s1_step_ms: float
     """One decode token on one pinned stage, every millisecond in one place: the engine's token (from the
     stream) = the stage's step (its heartbeat) + transport and the leader's Python; the step = the forward
     + sampling + the runner's own work; the forward = the ops, timed alone, less their eager overhead."""
+    if "skipped" in result:
+        return result
     return {
         "token": round(s1_token_ms, 3),
         "transport_and_leader": round(s1_token_ms - s1_step_ms, 3),

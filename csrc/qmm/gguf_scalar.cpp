@@ -222,6 +222,7 @@ const GgufKernels& gguf_kernels_scalar() {
 const GgufKernels& gguf_kernels_for(const char* isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (std::strcmp(isa, "avx512_vnni") == 0) return gguf_kernels_avx512_vnni();
+  if (std::strcmp(isa, "avx512") == 0 || std::strcmp(isa, "avx2") == 0) return gguf_kernels_avx2();
 #endif
   (void)isa;
   return gguf_kernels_scalar();

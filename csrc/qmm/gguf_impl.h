@@ -1,0 +1,232 @@
+// The GGUF row kernels, written once over a SIMD trait S and included by each per-ISA translation unit
+// inside its own namespace (kernel_avx512_vnni_gguf.cpp, kernel_avx2_gguf.cpp), after <immintrin.h>,
+// <algorithm>, <cstring>, <vector>, gguf_kernel.h and kernel.h.
+//
+// Every format is read 256 elements at a time (one K-quant block, or 8 blocks of 32) as four vectors of 64
+// unsigned weights in element order, so that one x layout serves all formats; each vector's dot with x gives
+// 16 int32 lanes (4 products each), lanes 0-7 its first sub-block of 32, lanes 8-15 its second. A lane's dot
+// is converted to float and multiplied by its factor (the weight's scale times x's step), and each 16
+// elements' offset or minimum meets x's step times the sum of its rounded values there: per output element
+// the same operations in the same order whatever the row range, so that threads never change a bit.
+//
+// S provides: W (64 bytes), I (16 int32), F (16 floats); zero_f(), load_x(const int8_t*), load_f(const float*),
+// set1(f), fma(a, b, c), mul(a, b), hsum(F), h2f(half bits);
+// dot<SIGNED>(W w, W x): the 16 lane dots of w (u8, or s8 where SIGNED) with x (s8), cvt(I) -> F;
+// nib32(p): 32 bytes -> [their low nibbles | their high nibbles]; nib16x2(p0, p1): two 16-byte runs (nullptr:
+// zeros) -> [low p0, high p0 | low p1, high p1]; raw32x2(p0, p1, xor_hi): two 32-byte runs, each byte ^ 0x80
+// where xor_hi; add_bit16(w, qh32, b0, b1): 16 added to byte l < 32 where bit b0 of qh32[l] is set, to byte
+// 32 + l where bit b1 is; q6(ql64, qh32, w0, w1): Q6_K's two vectors of one half;
+// join(a8, b8): two __m256 as one F; pairs(f, v): lanes 0-7 f[2v], 8-15 f[2v + 1]; offs_pairs(f): lane h =
+// f[8 + h / 2]; quads(f, v): lane i = f[4v + i / 4]; SIGNED_Q8: whether Q8_0 is read signed (else as q + 128).
+
+struct XRows {
+  int M = 0, S = 0;  // rows, 256-element super blocks
+  std::vector<int8_t> q;  // M x 256 S, zero past K
+  std::vector<float> dxv;  // M x 64 S: per 64, [step of its first 32] x 8, [second] x 8
+  std::vector<float> xs16;  // M x 16 S: per 16, its step times its sum
+  const int8_t* qm(int m) const { return q.data() + size_t(m) * 256 * S; }
+  const float* dm(int m) const { return dxv.data() + size_t(m) * 64 * S; }
+  const float* sm(int m) const { return xs16.data() + size_t(m) * 16 * S; }
+};
+
+inline void lay_out(const GgufProblem& p, XRows& x) {
+  const int K = p.K, S = (K + 255) / 256, nb = K / 32;
+  x.M = p.M;
+  x.S = S;
+  x.q.assign(size_t(p.M) * 256 * S, 0);
+  x.dxv.assign(size_t(p.M) * 64 * S, 0.0f);
+  x.xs16.assign(size_t(p.M) * 16 * S, 0.0f);
+  for (int m = 0; m < p.M; ++m) {
+    std::memcpy(x.q.data() + size_t(m) * 256 * S, p.x.q + size_t(m) * K, size_t(K));
+    const float* d = p.x.d + size_t(m) * nb;
+    const int16_t* s = p.x.s16 + size_t(m) * 2 * nb;
+    float* dv = x.dxv.data() + size_t(m) * 64 * S;
+    float* xs = x.xs16.data() + size_t(m) * 16 * S;
+    for (int j = 0; j < nb; ++j) {
+      std::fill_n(dv + 8 * j, 8, d[j]);
+      xs[2 * j] = d[j] * float(s[2 * j]);
+      xs[2 * j + 1] = d[j] * float(s[2 * j + 1]);
+    }
+  }
+}
+
+template <class S>
+struct GgufImpl {
+  using W = typename S::W;
+  using F = typename S::F;
+
+  static float f16(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return S::h2f(h);
+  }
+
+  // 256 elements of one weight row: nv vectors of weights (the rest of a row's last 8 blocks of 32 are
+  // absent), their lanes' factors, and the offset per 16 elements.
+  struct Super {
+    W w[4];
+    F a[4];
+    F b;
+    int nv = 4;
+  };
+
+  static uint16_t half_at(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return h;
+  }
+
+  // Blocks of 32 (Q4_0, Q4_1, Q8_0): blocks [8 sb, 8 sb + 8) of the row, as many as it has.
+  template <GgufType T>
+  static void unpack32(const uint8_t* row, int sb, int nb, Super& s) {
+    constexpr int bytes = T == GgufType::Q8_0 ? 34 : (T == GgufType::Q4_1 ? 20 : 18);
+    const int j0 = 8 * sb, n = std::min(8, nb - j0);
+    const uint8_t* b[8];
+    uint16_t dh[8] = {}, mh[8] = {};
+    for (int j = 0; j < 8; ++j) {
+      b[j] = j < n ? row + size_t(j0 + j) * bytes : nullptr;
+      if (!b[j]) continue;
+      dh[j] = half_at(b[j]);
+      if constexpr (T == GgufType::Q4_1) mh[j] = half_at(b[j] + 2);
+    }
+    // Built in registers (no store of 8 halves reloaded as one vector: that stalls store forwarding).
+    const __m256 d8 = _mm256_cvtph_ps(_mm_setr_epi16(short(dh[0]), short(dh[1]), short(dh[2]), short(dh[3]),
+                                                     short(dh[4]), short(dh[5]), short(dh[6]), short(dh[7])));
+    __m256 o8;
+    if constexpr (T == GgufType::Q4_0)
+      o8 = _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
+    else if constexpr (T == GgufType::Q4_1)
+      o8 = _mm256_cvtph_ps(_mm_setr_epi16(short(mh[0]), short(mh[1]), short(mh[2]), short(mh[3]), short(mh[4]),
+                                          short(mh[5]), short(mh[6]), short(mh[7])));
+    else if constexpr (!S::SIGNED_Q8)
+      o8 = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));  // int8 weights read as unsigned q + 128
+    else
+      o8 = _mm256_setzero_ps();
+    const F f = S::join(d8, o8);
+    s.nv = (n + 1) / 2;
+    constexpr int off = T == GgufType::Q4_1 ? 4 : 2;
+    for (int v = 0; v < s.nv; ++v) {
+      const uint8_t* p0 = b[2 * v];
+      const uint8_t* p1 = b[2 * v + 1];
+      if constexpr (T == GgufType::Q8_0)
+        s.w[v] = S::raw32x2(p0 + off, p1 ? p1 + off : nullptr, !S::SIGNED_Q8);
+      else
+        s.w[v] = S::nib16x2(p0 + off, p1 ? p1 + off : nullptr);
+      s.a[v] = S::pairs(f, v);
+    }
+    s.b = S::offs_pairs(f);
+  }
+
+  // Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) 128 of nibbles.
+  template <GgufType T>
+  static void unpack_k45(const uint8_t* b, Super& s) {
+    constexpr bool q5 = T == GgufType::Q5_K;
+    // llama.cpp's unpacking of the 12 bytes: words 0-1 the 8 scales, words 2-3 the 8 mins.
+    uint32_t u[4];
+    std::memcpy(u, b + 4, 12);
+    constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t m0 = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = m0;
+    u[0] &= k1;
+    const __m128i scm = _mm_setr_epi32(int(u[0]), int(u[1]), int(u[2]), int(u[3]));
+    const __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scm));
+    const __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scm, 8)));
+    const F f = S::join(_mm256_mul_ps(sc8, _mm256_set1_ps(f16(b))), _mm256_mul_ps(m8, _mm256_set1_ps(-f16(b + 2))));
+    s.nv = 4;
+    const uint8_t* qs = b + (q5 ? 48 : 16);
+    for (int v = 0; v < 4; ++v) {
+      W w = S::nib32(qs + 32 * v);
+      if constexpr (q5) w = S::add_bit16(w, b + 16, 2 * v, 2 * v + 1);
+      s.w[v] = w;
+      s.a[v] = S::pairs(f, v);
+    }
+    s.b = S::offs_pairs(f);
+  }
+
+  // Q6_K: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per 16), d.
+  static void unpack_k6(const uint8_t* b, Super& s) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 d = _mm256_set1_ps(f16(b + 208));
+    const F a16 = S::join(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                          _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    s.nv = 4;
+    for (int v = 0; v < 4; ++v) s.a[v] = S::quads(a16, v);
+    s.b = S::mul(a16, S::set1(-32.0f));
+    for (int h = 0; h < 2; ++h) S::q6(b + 64 * h, b + 128 + 32 * h, s.w[2 * h], s.w[2 * h + 1]);
+  }
+
+  template <GgufType T>
+  static void unpack(const uint8_t* row, int sb, int nb32, Super& s) {
+    if constexpr (T == GgufType::Q4_K || T == GgufType::Q5_K)
+      unpack_k45<T>(row + size_t(sb) * (T == GgufType::Q4_K ? 144 : 176), s);
+    else if constexpr (T == GgufType::Q6_K)
+      unpack_k6(row + size_t(sb) * 210, s);
+    else
+      unpack32<T>(row, sb, nb32, s);
+  }
+
+  // Rows [m0, m0 + MB) of x against weight row n.
+  template <GgufType T, int MB>
+  static void row_block(const GgufProblem& p, const XRows& x, int n, int m0) {
+    constexpr bool sgn = T == GgufType::Q8_0 && S::SIGNED_Q8;
+    const uint8_t* row = p.w + size_t(n) * p.row_bytes;
+    const int nb32 = p.K / 32;
+    F acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = S::zero_f();
+    Super s;
+    for (int sb = 0; sb < x.S; ++sb) {
+      unpack<T>(row, sb, nb32, s);
+      for (int i = 0; i < MB; ++i) {
+        const int8_t* q = x.qm(m0 + i) + 256 * sb;
+        const float* d = x.dm(m0 + i) + 64 * sb;
+        F a = acc[i];
+        for (int v = 0; v < s.nv; ++v) {
+          const F dot = S::cvt(S::template dot<sgn>(s.w[v], S::load_x(q + 64 * v)));
+          a = S::fma(dot, S::mul(s.a[v], S::load_f(d + 16 * v)), a);
+        }
+        acc[i] = S::fma(s.b, S::load_f(x.sm(m0 + i) + 16 * sb), a);
+      }
+    }
+    for (int i = 0; i < MB; ++i) p.y[size_t(m0 + i) * p.ldy + n] = S::hsum(acc[i]);
+  }
+
+  template <GgufType T>
+  static void rows_t(const GgufProblem& p, const XRows& x, int n0, int n1) {
+    const uint8_t* end = p.w + size_t(n1) * p.row_bytes;
+    for (int n = n0; n < n1; ++n) {
+      prefetch_ahead(p.w + size_t(n) * p.row_bytes, p.row_bytes, end);
+      int m = 0;
+      for (; p.M - m >= 8; m += 8) row_block<T, 8>(p, x, n, m);
+      if (p.M - m >= 4) {
+        row_block<T, 4>(p, x, n, m);
+        m += 4;
+      }
+      if (p.M - m >= 2) {
+        row_block<T, 2>(p, x, n, m);
+        m += 2;
+      }
+      if (p.M - m >= 1) row_block<T, 1>(p, x, n, m);
+    }
+  }
+
+  static void rows(const GgufProblem& p, int n0, int n1) {
+    thread_local XRows x;
+    lay_out(p, x);
+    switch (p.type) {
+      case GgufType::Q4_0:
+        return rows_t<GgufType::Q4_0>(p, x, n0, n1);
+      case GgufType::Q4_1:
+        return rows_t<GgufType::Q4_1>(p, x, n0, n1);
+      case GgufType::Q8_0:
+        return rows_t<GgufType::Q8_0>(p, x, n0, n1);
+      case GgufType::Q4_K:
+        return rows_t<GgufType::Q4_K>(p, x, n0, n1);
+      case GgufType::Q5_K:
+        return rows_t<GgufType::Q5_K>(p, x, n0, n1);
+      case GgufType::Q6_K:
+        return rows_t<GgufType::Q6_K>(p, x, n0, n1);
+    }
+  }
+};

@@ -33,10 +33,10 @@ SUM_RTOL = 2e-6
 
 @pytest.fixture(autouse=True)
 def _defaults() -> Iterator[None]:
-    isa, gemm, threads = _qmm.isa(), _qmm.gemm_rows(), _qmm.threads()
+    isa, gemm, threads = _qmm.isa(), _qmm.gguf_gemm_rows(), _qmm.threads()
     yield
     _qmm.set_isa(isa)
-    _qmm.set_gemm_rows(gemm)
+    _qmm.set_gguf_gemm_rows(gemm)
     _qmm.set_threads(threads)
 
 
@@ -104,7 +104,7 @@ def test_products_against_gguf_dequantize(qtype: T, isa: str) -> None:
                 xs = np.array(xm.astype(mx.float32))
                 y = _qmm.gguf_matmul(xm, mx.array(w), int(qtype))
                 assert y.dtype == mx.float32 and y.shape == (m, n)
-                integer = not (_qmm.has_blas() and 0 < _qmm.gemm_rows() <= m)
+                integer = not (_qmm.has_blas() and 0 < _qmm.gguf_gemm_rows() <= m)
                 _check(np.array(y), xs, wf, integer, f"{qtype.name} {isa} n={n} k={k} m={m} {dtype}")
 
 

@@ -37,7 +37,7 @@ NB_MODULE(_qmm, m) {
   m.def("gguf_matmul", &shardline_qmm::gguf_matmul, "x"_a, "w"_a, "qtype"_a,
         "x @ dequantize(w).T -> float32 on the CPU, w (N, K / block * block_bytes) uint8 holding each row's GGUF "
         "blocks as stored (types Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14); x rounded to int8 per 32 "
-        "below gemm_rows rows.");
+        "below gguf_gemm_rows rows.");
   m.def("gguf_matmul_many", &shardline_qmm::gguf_matmul_many, "x"_a, "ws"_a, "qtypes"_a,
         "x against several GGUF weights, each of its own type, in one op (x rounded once); one output each.");
   m.def("gguf_swiglu", &shardline_qmm::gguf_swiglu, "x"_a, "w_gate"_a, "t_gate"_a, "w_up"_a, "t_up"_a,
@@ -46,6 +46,9 @@ NB_MODULE(_qmm, m) {
         "Rows ids of dequantize(w) -> float32 ids.shape + (K,), bit-equal to gguf.quants.dequantize (zeros for an "
         "id out of range).");
   m.def("gguf_block", &shardline_qmm::gguf_block, "qtype"_a, "(block_elements, block_bytes) of a GGUF type.");
+  m.def("set_gguf_gemm_rows", &shardline_qmm::set_gguf_gemm_rows, "rows"_a,
+        "From this many rows of x on, GGUF products dequantize tiles and use BLAS with x unrounded (0: never).");
+  m.def("gguf_gemm_rows", &shardline_qmm::gguf_gemm_rows);
   m.def("gguf_supported", &shardline_qmm::gguf_supported, "qtype"_a, "Whether gguf_matmul reads this GGUF type.");
   m.def("set_threads", &shardline_qmm::set_threads, "n"_a, "min_bytes"_a = 32768,
         "Threads per product, the caller included (output rows split between them; 1: none); a product is "

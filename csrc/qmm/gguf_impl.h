@@ -211,6 +211,51 @@ struct GgufImpl {
     }
   }
 
+  // Rows [n0, n1) dequantized for BLAS: per 16 elements q * scale + offset in float32 (not bit-equal to
+  // gguf.quants, whose Q4_0 and Q6_K subtract the offset before scaling; gguf_rows keeps to the scalar code).
+  template <GgufType T>
+  static void dequant_t(const GgufProblem& p, int n0, int n1, float* out) {
+    constexpr bool sgn = T == GgufType::Q8_0 && S::SIGNED_Q8;
+    const int nb32 = p.K / 32, nsb = (p.K + 255) / 256;
+    alignas(64) uint8_t wb[64];
+    alignas(64) float a[16], b[16];
+    Super s;
+    for (int n = n0; n < n1; ++n) {
+      const uint8_t* row = p.w + size_t(n) * p.row_bytes;
+      float* o = out + size_t(n - n0) * p.K;
+      for (int sb = 0; sb < nsb; ++sb) {
+        unpack<T>(row, sb, nb32, s);
+        S::store_f(s.b, b);
+        for (int v = 0; v < s.nv; ++v) {
+          S::store_w(s.w[v], wb);
+          S::store_f(s.a[v], a);
+          for (int c = 0; c < 4; ++c) {
+            const int e = 256 * sb + 64 * v + 16 * c;
+            if (e >= p.K) break;
+            S::template dequant16<sgn>(wb + 16 * c, a[4 * c], b[4 * v + c], o + e);
+          }
+        }
+      }
+    }
+  }
+
+  static void dequant(const GgufProblem& p, int n0, int n1, float* out) {
+    switch (p.type) {
+      case GgufType::Q4_0:
+        return dequant_t<GgufType::Q4_0>(p, n0, n1, out);
+      case GgufType::Q4_1:
+        return dequant_t<GgufType::Q4_1>(p, n0, n1, out);
+      case GgufType::Q8_0:
+        return dequant_t<GgufType::Q8_0>(p, n0, n1, out);
+      case GgufType::Q4_K:
+        return dequant_t<GgufType::Q4_K>(p, n0, n1, out);
+      case GgufType::Q5_K:
+        return dequant_t<GgufType::Q5_K>(p, n0, n1, out);
+      case GgufType::Q6_K:
+        return dequant_t<GgufType::Q6_K>(p, n0, n1, out);
+    }
+  }
+
   static void rows(const GgufProblem& p, int n0, int n1) {
     thread_local XRows x;
     lay_out(p, x);

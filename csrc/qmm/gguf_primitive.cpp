@@ -1,6 +1,7 @@
 #include "gguf_primitive.h"
 
 #include <algorithm>
+#include <atomic>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -23,6 +24,7 @@ namespace shardline_qmm {
 namespace {
 
 constexpr int kTileRows = 64;  // rows of w dequantized per BLAS call, as the affine Gemm path does
+std::atomic<int> g_gemm_rows{32};
 
 bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
 
@@ -114,6 +116,9 @@ std::pair<int, int> gguf_block(int qtype) {
   return {b.elements, b.bytes};
 }
 
+void set_gguf_gemm_rows(int rows) { g_gemm_rows.store(rows); }
+int gguf_gemm_rows() { return g_gemm_rows.load(); }
+
 bool gguf_supported(int qtype) { return gguf_block_of(qtype).elements != 0; }
 
 void GgufMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -125,7 +130,7 @@ void GgufMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
     thread_local std::vector<float> xbuf;
     const float* xf = M ? float_rows(x, xbuf) : nullptr;
     const GgufKernels& k = kernels();
-    const int from = gemm_rows();
+    const int from = g_gemm_rows.load(std::memory_order_relaxed);
     const bool gemm = from > 0 && M >= from && has_blas();
     // x is rounded once for every weight: a fused projection pays for it once.
     const GgufX xq = M && !gemm ? round_x(k, xf, M, K) : GgufX{};

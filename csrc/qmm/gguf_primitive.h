@@ -28,6 +28,11 @@ class GgufMatmulCPU : public mx::Primitive {
   bool swiglu_;
 };
 
+// From how many rows of x the GGUF products dequantize tiles of w and call BLAS (0: never; default 32:
+// below that the integer row kernels, which unpack each block once per 8 rows of x, measured faster).
+void set_gguf_gemm_rows(int rows);
+int gguf_gemm_rows();
+
 // (elements, bytes) of one block of GGUF type qtype; throws std::invalid_argument for a type not supported.
 std::pair<int, int> gguf_block(int qtype);
 bool gguf_supported(int qtype);

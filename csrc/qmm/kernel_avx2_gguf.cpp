@@ -86,6 +86,23 @@ struct S {
     w1.lo = _mm256_or_si256(low4(_mm256_srli_epi16(L0, 4)), _mm256_and_si256(Q, k30));
     w1.hi = _mm256_or_si256(low4(_mm256_srli_epi16(L1, 4)), _mm256_and_si256(_mm256_srli_epi16(Q, 2), k30));
   }
+  static void store_w(W w, uint8_t* p) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p), w.lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(p + 32), w.hi);
+  }
+  static void store_f(F f, float* p) {
+    _mm256_store_ps(p, f.lo);
+    _mm256_store_ps(p + 8, f.hi);
+  }
+  template <bool SIGNED>
+  static void dequant16(const uint8_t* q, float a, float b, float* out) {
+    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i t = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h));
+      const __m256i i = SIGNED ? _mm256_cvtepi8_epi32(t) : _mm256_cvtepu8_epi32(t);
+      _mm256_storeu_ps(out + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), va, vb));
+    }
+  }
   static F join(__m256 a, __m256 b) { return {a, b}; }
   static F pairs(F f, int v) {
     return {_mm256_permutevar8x32_ps(f.lo, _mm256_set1_epi32(2 * v)),
@@ -109,7 +126,7 @@ struct S {
 
 const GgufKernels& gguf_kernels_avx2() {
   static const GgufKernels k{"avx2", gguf_kernels_scalar().quantize, &gguf_avx2::GgufImpl<gguf_avx2::S>::rows,
-                             gguf_kernels_scalar().dequant};
+                             &gguf_avx2::GgufImpl<gguf_avx2::S>::dequant};
   return k;
 }
 

@@ -66,6 +66,13 @@ struct S {
     w0 = _mm512_or_si512(low4(L), _mm512_and_si512(_mm512_slli_epi16(H, 4), k30));
     w1 = _mm512_or_si512(low4(_mm512_srli_epi16(L, 4)), _mm512_and_si512(H, k30));
   }
+  static void store_w(W w, uint8_t* p) { _mm512_store_si512(p, w); }
+  static void store_f(F f, float* p) { _mm512_store_ps(p, f); }
+  template <bool SIGNED>
+  static void dequant16(const uint8_t* q, float a, float b, float* out) {
+    const __m512i i = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(a), _mm512_set1_ps(b)));
+  }
   static F join(__m256 a, __m256 b) {
     return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castps_si256(a)), _mm256_castps_si256(b), 1));
   }
@@ -108,7 +115,7 @@ void quantize(const float* x, int M, int K, int8_t* q, float* d, int16_t* s16) {
 
 const GgufKernels& gguf_kernels_avx512_vnni() {
   static const GgufKernels k{"avx512_vnni", &gguf_avx512_vnni::quantize, &gguf_avx512_vnni::GgufImpl<gguf_avx512_vnni::S>::rows,
-                             gguf_kernels_scalar().dequant};
+                             &gguf_avx512_vnni::GgufImpl<gguf_avx512_vnni::S>::dequant};
   return k;
 }
 

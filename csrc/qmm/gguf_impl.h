@@ -10,7 +10,7 @@
 // the same operations in the same order whatever the row range, so that threads never change a bit.
 //
 // S provides: W (64 bytes), I (16 int32), F (16 floats); zero_f(), load_x(const int8_t*), load_f(const float*),
-// set1(f), fma(a, b, c), mul(a, b), hsum(F), h2f(half bits);
+// set1(f), fma(a, b, c), mul(a, b), add(a, b), hsum(F), h2f(half bits);
 // dot<SIGNED>(W w, W x): the 16 lane dots of w (u8, or s8 where SIGNED) with x (s8), cvt(I) -> F;
 // nib32(p): 32 bytes -> [their low nibbles | their high nibbles]; nib16x2(p0, p1): two 16-byte runs (nullptr:
 // zeros) -> [low p0, high p0 | low p1, high p1]; raw32x2(p0, p1, xor_hi): two 32-byte runs, each byte ^ 0x80
@@ -167,29 +167,35 @@ struct GgufImpl {
       unpack32<T>(row, sb, nb32, s);
   }
 
-  // Rows [m0, m0 + MB) of x against weight row n.
+  // Rows [m0, m0 + MB) of x against weight row n. Few rows keep several accumulators each, so that the
+  // chain of dependent fmas per block stays shorter than the block's loads.
   template <GgufType T, int MB>
   static void row_block(const GgufProblem& p, const XRows& x, int n, int m0) {
     constexpr bool sgn = T == GgufType::Q8_0 && S::SIGNED_Q8;
+    constexpr int NA = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
     const uint8_t* row = p.w + size_t(n) * p.row_bytes;
     const int nb32 = p.K / 32;
-    F acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = S::zero_f();
+    F acc[MB][NA];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NA; ++j) acc[i][j] = S::zero_f();
     Super s;
     for (int sb = 0; sb < x.S; ++sb) {
       unpack<T>(row, sb, nb32, s);
       for (int i = 0; i < MB; ++i) {
         const int8_t* q = x.qm(m0 + i) + 256 * sb;
         const float* d = x.dm(m0 + i) + 64 * sb;
-        F a = acc[i];
         for (int v = 0; v < s.nv; ++v) {
           const F dot = S::cvt(S::template dot<sgn>(s.w[v], S::load_x(q + 64 * v)));
-          a = S::fma(dot, S::mul(s.a[v], S::load_f(d + 16 * v)), a);
+          acc[i][v % NA] = S::fma(dot, S::mul(s.a[v], S::load_f(d + 16 * v)), acc[i][v % NA]);
         }
-        acc[i] = S::fma(s.b, S::load_f(x.sm(m0 + i) + 16 * sb), a);
+        acc[i][NA - 1] = S::fma(s.b, S::load_f(x.sm(m0 + i) + 16 * sb), acc[i][NA - 1]);
       }
     }
-    for (int i = 0; i < MB; ++i) p.y[size_t(m0 + i) * p.ldy + n] = S::hsum(acc[i]);
+    for (int i = 0; i < MB; ++i) {
+      F a = acc[i][0];
+      for (int j = 1; j < NA; ++j) a = S::add(a, acc[i][j]);
+      p.y[size_t(m0 + i) * p.ldy + n] = S::hsum(a);
+    }
   }
 
   template <GgufType T>

@@ -25,6 +25,7 @@ struct S {
   static F load_f(const float* p) { return _mm512_loadu_ps(p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static float hsum(F a) { return _mm512_reduce_add_ps(a); }
   static float h2f(uint16_t h) { return _cvtsh_ss(h); }
   template <bool SIGNED>

@@ -76,38 +76,47 @@ struct GgufImpl {
     return h;
   }
 
-  // Blocks of 32 (Q4_0, Q4_1, Q8_0): blocks [8 sb, 8 sb + 8) of the row, as many as it has.
+  // Blocks of 32 (Q4_0, Q4_1, Q8_0): blocks [8 sb, 8 sb + 8) of the row, as many as it has (a whole 8
+  // unrolled, without the checks a row's last few need).
   template <GgufType T>
   static void unpack32(const uint8_t* row, int sb, int nb, Super& s) {
-    constexpr int bytes = T == GgufType::Q8_0 ? 34 : (T == GgufType::Q4_1 ? 20 : 18);
-    const int j0 = 8 * sb, n = std::min(8, nb - j0);
-    const uint8_t* b[8];
-    uint16_t dh[8] = {}, mh[8] = {};
-    for (int j = 0; j < 8; ++j) {
-      b[j] = j < n ? row + size_t(j0 + j) * bytes : nullptr;
-      if (!b[j]) continue;
-      dh[j] = half_at(b[j]);
-      if constexpr (T == GgufType::Q4_1) mh[j] = half_at(b[j] + 2);
-    }
+    const int n = std::min(8, nb - 8 * sb);
+    if (n == 8)
+      unpack32_n<T, true>(row + size_t(8 * sb) * bytes32<T>(), 8, s);
+    else
+      unpack32_n<T, false>(row + size_t(8 * sb) * bytes32<T>(), n, s);
+  }
+
+  template <GgufType T>
+  static constexpr int bytes32() {
+    return T == GgufType::Q8_0 ? 34 : (T == GgufType::Q4_1 ? 20 : 18);
+  }
+
+  template <GgufType T, bool FULL>
+  static void unpack32_n(const uint8_t* b0, int n, Super& s) {
+    constexpr int bytes = bytes32<T>();
+    constexpr int off = T == GgufType::Q4_1 ? 4 : 2;
+    if constexpr (FULL) n = 8;
+    const auto blk = [&](int j) -> const uint8_t* { return FULL || j < n ? b0 + j * bytes : nullptr; };
+    const auto dh = [&](int j, int at) -> short { return FULL || j < n ? short(half_at(b0 + j * bytes + at)) : 0; };
     // Built in registers (no store of 8 halves reloaded as one vector: that stalls store forwarding).
-    const __m256 d8 = _mm256_cvtph_ps(_mm_setr_epi16(short(dh[0]), short(dh[1]), short(dh[2]), short(dh[3]),
-                                                     short(dh[4]), short(dh[5]), short(dh[6]), short(dh[7])));
+    const __m256 d8 = _mm256_cvtph_ps(_mm_setr_epi16(dh(0, 0), dh(1, 0), dh(2, 0), dh(3, 0), dh(4, 0), dh(5, 0),
+                                                     dh(6, 0), dh(7, 0)));
     __m256 o8;
     if constexpr (T == GgufType::Q4_0)
       o8 = _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
     else if constexpr (T == GgufType::Q4_1)
-      o8 = _mm256_cvtph_ps(_mm_setr_epi16(short(mh[0]), short(mh[1]), short(mh[2]), short(mh[3]), short(mh[4]),
-                                          short(mh[5]), short(mh[6]), short(mh[7])));
+      o8 = _mm256_cvtph_ps(_mm_setr_epi16(dh(0, 2), dh(1, 2), dh(2, 2), dh(3, 2), dh(4, 2), dh(5, 2), dh(6, 2),
+                                          dh(7, 2)));
     else if constexpr (!S::SIGNED_Q8)
       o8 = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));  // int8 weights read as unsigned q + 128
     else
       o8 = _mm256_setzero_ps();
     const F f = S::join(d8, o8);
-    s.nv = (n + 1) / 2;
-    constexpr int off = T == GgufType::Q4_1 ? 4 : 2;
-    for (int v = 0; v < s.nv; ++v) {
-      const uint8_t* p0 = b[2 * v];
-      const uint8_t* p1 = b[2 * v + 1];
+    s.nv = FULL ? 4 : (n + 1) / 2;
+    for (int v = 0; v < (FULL ? 4 : s.nv); ++v) {
+      const uint8_t* p0 = blk(2 * v);
+      const uint8_t* p1 = blk(2 * v + 1);
       if constexpr (T == GgufType::Q8_0)
         s.w[v] = S::raw32x2(p0 + off, p1 ? p1 + off : nullptr, !S::SIGNED_Q8);
       else

@@ -12,11 +12,11 @@
 // S provides: W (64 bytes), I (16 int32), F (16 floats); zero_f(), load_x(const int8_t*), load_f(const float*),
 // set1(f), fma(a, b, c), mul(a, b), add(a, b), hsum(F), h2f(half bits);
 // dot<SIGNED>(W w, W x): the 16 lane dots of w (u8, or s8 where SIGNED) with x (s8), cvt(I) -> F;
-// nib32(p): 32 bytes -> [their low nibbles | their high nibbles]; nib16x2(p0, p1): two 16-byte runs (nullptr:
+// nib64(p, lo, hi): 64 bytes -> their low nibbles, their high ones; nib16x2(p0, p1): two 16-byte runs (nullptr:
 // zeros) -> [low p0, high p0 | low p1, high p1]; raw32x2(p0, p1, xor_hi): two 32-byte runs, each byte ^ 0x80
 // where xor_hi; add_bit16(w, qh32, b0, b1): 16 added to byte l < 32 where bit b0 of qh32[l] is set, to byte
 // 32 + l where bit b1 is; q6(ql64, qh32, w0, w1): Q6_K's two vectors of one half;
-// join(a8, b8): two __m256 as one F; pairs(f, v): lanes 0-7 f[2v], 8-15 f[2v + 1]; offs_pairs(f): lane h =
+// join(a8, b8): two __m256 as one F; pairs2(f, a, b): lanes 0-7 f[a], 8-15 f[b]; offs_pairs(f): lane h =
 // f[8 + h / 2]; quads(f, v): lane i = f[4v + i / 4]; SIGNED_Q8: whether Q8_0 is read signed (else as q + 128).
 
 struct XRows {
@@ -29,22 +29,36 @@ struct XRows {
   const float* sm(int m) const { return xs16.data() + size_t(m) * 16 * S; }
 };
 
+// Which sub-block of 32 the half `h` of vector v holds: in element order, except for Q4_K and Q5_K, whose
+// 64-byte runs of nibbles hold sub-blocks (4j, 4j + 2) in their low nibbles and (4j + 1, 4j + 3) in their
+// high ones: x is laid out to match, so that a run is split into two vectors by two masks and a shift.
+inline bool k4_order(GgufType t) { return t == GgufType::Q4_K || t == GgufType::Q5_K; }
+inline int sub_of(bool k4, int v, int h) {
+  if (!k4) return 2 * v + h;
+  return 4 * (v / 2) + (v % 2) + 2 * h;
+}
+
 inline void lay_out(const GgufProblem& p, XRows& x) {
   const int K = p.K, S = (K + 255) / 256, nb = K / 32;
+  const bool k4 = k4_order(p.type);
   x.M = p.M;
   x.S = S;
   x.q.assign(size_t(p.M) * 256 * S, 0);
   x.dxv.assign(size_t(p.M) * 64 * S, 0.0f);
   x.xs16.assign(size_t(p.M) * 16 * S, 0.0f);
   for (int m = 0; m < p.M; ++m) {
-    std::memcpy(x.q.data() + size_t(m) * 256 * S, p.x.q + size_t(m) * K, size_t(K));
+    const int8_t* src = p.x.q + size_t(m) * K;
+    int8_t* dst = x.q.data() + size_t(m) * 256 * S;
     const float* d = p.x.d + size_t(m) * nb;
     const int16_t* s = p.x.s16 + size_t(m) * 2 * nb;
     float* dv = x.dxv.data() + size_t(m) * 64 * S;
     float* xs = x.xs16.data() + size_t(m) * 16 * S;
-    for (int j = 0; j < nb; ++j) {
-      std::fill_n(dv + 8 * j, 8, d[j]);
-      xs[2 * j] = d[j] * float(s[2 * j]);
+    for (int j = 0; j < nb; ++j) {  // slot j of the layout holds sub-block `from` of x
+      const int within = j % 8, v = within / 2, h = within % 2;
+      const int from = 8 * (j / 8) + sub_of(k4, v, h);
+      std::memcpy(dst + 32 * j, src + 32 * from, 32);
+      std::fill_n(dv + 8 * j, 8, d[from]);
+      xs[2 * j] = d[j] * float(s[2 * j]);  // offsets stay in element order
       xs[2 * j + 1] = d[j] * float(s[2 * j + 1]);
     }
   }
@@ -121,7 +135,7 @@ struct GgufImpl {
         s.w[v] = S::raw32x2(p0 + off, p1 ? p1 + off : nullptr, !S::SIGNED_Q8);
       else
         s.w[v] = S::nib16x2(p0 + off, p1 ? p1 + off : nullptr);
-      s.a[v] = S::pairs(f, v);
+      s.a[v] = S::pairs2(f, 2 * v, 2 * v + 1);
     }
     s.b = S::offs_pairs(f);
   }
@@ -145,11 +159,13 @@ struct GgufImpl {
     const F f = S::join(_mm256_mul_ps(sc8, _mm256_set1_ps(f16(b))), _mm256_mul_ps(m8, _mm256_set1_ps(-f16(b + 2))));
     s.nv = 4;
     const uint8_t* qs = b + (q5 ? 48 : 16);
-    for (int v = 0; v < 4; ++v) {
-      W w = S::nib32(qs + 32 * v);
-      if constexpr (q5) w = S::add_bit16(w, b + 16, 2 * v, 2 * v + 1);
-      s.w[v] = w;
-      s.a[v] = S::pairs(f, v);
+    for (int j = 0; j < 2; ++j) {
+      S::nib64(qs + 64 * j, s.w[2 * j], s.w[2 * j + 1]);
+      for (int v = 2 * j; v < 2 * j + 2; ++v) {
+        const int lo = sub_of(true, v, 0), hi = sub_of(true, v, 1);
+        if constexpr (q5) s.w[v] = S::add_bit16(s.w[v], b + 16, lo, hi);
+        s.a[v] = S::pairs2(f, lo, hi);
+      }
     }
     s.b = S::offs_pairs(f);
   }
@@ -245,9 +261,10 @@ struct GgufImpl {
           S::store_w(s.w[v], wb);
           S::store_f(s.a[v], a);
           for (int c = 0; c < 4; ++c) {
-            const int e = 256 * sb + 64 * v + 16 * c;
-            if (e >= p.K) break;
-            S::template dequant16<sgn>(wb + 16 * c, a[4 * c], b[4 * v + c], o + e);
+            const int sub = sub_of(k4_order(T), v, c / 2), h16 = 2 * sub + c % 2;
+            const int e = 256 * sb + 16 * h16;
+            if (e >= p.K) continue;
+            S::template dequant16<sgn>(wb + 16 * c, a[4 * c], b[h16], o + e);
           }
         }
       }

@@ -56,9 +56,10 @@ struct S {
     const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return low4(_mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1));
   }
-  static W nib32(const uint8_t* p) {
-    const __m256i t = ld(p);
-    return {low4(t), low4(_mm256_srli_epi16(t, 4))};
+  static void nib64(const uint8_t* p, W& lo, W& hi) {
+    const __m256i t0 = ld(p), t1 = ld(p + 32);
+    lo = {low4(t0), low4(t1)};
+    hi = {low4(_mm256_srli_epi16(t0, 4)), low4(_mm256_srli_epi16(t1, 4))};
   }
   static W nib16x2(const uint8_t* p0, const uint8_t* p1) {
     return {halves16(p0), p1 ? halves16(p1) : _mm256_setzero_si256()};
@@ -105,9 +106,8 @@ struct S {
     }
   }
   static F join(__m256 a, __m256 b) { return {a, b}; }
-  static F pairs(F f, int v) {
-    return {_mm256_permutevar8x32_ps(f.lo, _mm256_set1_epi32(2 * v)),
-            _mm256_permutevar8x32_ps(f.lo, _mm256_set1_epi32(2 * v + 1))};
+  static F pairs2(F f, int a, int b) {
+    return {_mm256_permutevar8x32_ps(f.lo, _mm256_set1_epi32(a)), _mm256_permutevar8x32_ps(f.lo, _mm256_set1_epi32(b))};
   }
   static F offs_pairs(F f) {
     return {_mm256_permutevar8x32_ps(f.hi, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),

@@ -40,9 +40,10 @@ struct S {
     const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
   }
-  static W nib32(const uint8_t* p) {
-    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return low4(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1));
+  static void nib64(const uint8_t* p, W& lo, W& hi) {
+    const W t = _mm512_loadu_si512(p);
+    lo = low4(t);
+    hi = low4(_mm512_srli_epi16(t, 4));
   }
   static W nib16x2(const uint8_t* p0, const uint8_t* p1) {
     const __m256i hi = p1 ? halves16(p1) : _mm256_setzero_si256();
@@ -77,10 +78,8 @@ struct S {
   static F join(__m256 a, __m256 b) {
     return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castps_si256(a)), _mm256_castps_si256(b), 1));
   }
-  static F pairs(F f, int v) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(2 * v),
-                                         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    return _mm512_permutexvar_ps(idx, f);
+  static F pairs2(F f, int a, int b) {
+    return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b)), f);
   }
   static F offs_pairs(F f) {
     const __m512i idx = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);

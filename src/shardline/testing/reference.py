@@ -14,6 +14,9 @@ from shardline.compute.gguf_linear import load_model
 # logit: on CPU the native kernel rounds activations to int16 per block of 32 (at most max|x_block| / 65534
 # per element); tiny models measured 1e-4 to 2e-4 after a few layers.
 QUANTIZED_LOGIT_TOLERANCE = 1e-3
+# The same for GGUF blocks as stored (compute/gguf_linear.py): their products round x to int8 per block of
+# 32, as llama.cpp does (at most max|x_block| / 254 per element); tiny models measured 1e-2 to 3e-2.
+BLOCKS_LOGIT_TOLERANCE = 6e-2
 
 
 class Reference:

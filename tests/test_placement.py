@@ -103,7 +103,7 @@ def test_footprint_of_default_model_and_its_placements() -> None:
     kv_heads, head_dim = config["num_key_value_heads"], config["head_dim"]
     # Quantized weights with float16 scales, float32 norms and embedding scales: float32 activations.
     assert fp.kv_bytes_per_token_per_layer == 2 * kv_heads * head_dim * 4
-    assert fp.weight_format == "q4_1→affine4/g32, q8_0→affine8/g32"
+    assert fp.weight_format == "q4_1 blocks, q8_0 blocks"
     two = place(fp, [NodeCapacity(f"node-{i}", 4 * G, 100.0) for i in range(2)])
     # The tied head splits between the first and the last stage, so equal nodes take equal layers; with
     # three, the middle stage takes more. The engine splits one machine's cores the same way.

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 ISAS = [isa for isa in ("avx512_vnni", "avx512", "avx2", "neon", "scalar") if _qmm.set_isa(isa)]
 _qmm.set_isa("auto")
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 ROWS = (1, 2, 3, 7, 8, 16, 17, 64)
 # (N, K in blocks): odd row counts, one block to several.
 SHAPES = ((1, 1), (3, 2), (5, 3), (67, 2))
@@ -49,7 +49,7 @@ def _weights(qtype: T, n: int, blocks: int, seed: int) -> np.ndarray:
     type, else random bytes with sane half-precision scales (K-quants)."""
     rng = np.random.default_rng(seed)
     elements, nbytes = _qmm.gguf_block(int(qtype))
-    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         w = rng.normal(0.0, 0.05, (n, blocks * elements)).astype(np.float32)
         return quants.quantize(w, qtype)
     raw = rng.integers(0, 256, (n, blocks, nbytes), dtype=np.uint8)
@@ -165,8 +165,8 @@ def test_rows_are_bit_equal_to_gguf_dequantize(qtype: T) -> None:
 def test_bad_input_is_a_readable_value_error() -> None:
     w = mx.array(_weights(T.Q4_K, 4, 2, seed=0))
     x = mx.zeros((1, 512))
-    with pytest.raises(ValueError, match="GGUF type 7 is not supported"):
-        _qmm.gguf_matmul(x, w, 7)
+    with pytest.raises(ValueError, match="GGUF type 10 is not supported"):
+        _qmm.gguf_matmul(x, w, 10)
     with pytest.raises(ValueError, match="not supported"):
         _qmm.gguf_block(1)
     assert not _qmm.gguf_supported(1)

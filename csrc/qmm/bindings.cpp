@@ -36,7 +36,7 @@ NB_MODULE(_qmm, m) {
         "silu(x @ dequantize(gate).T) * (x @ dequantize(up).T) in one op (float32 x).");
   m.def("gguf_matmul", &shardline_qmm::gguf_matmul, "x"_a, "w"_a, "qtype"_a,
         "x @ dequantize(w).T -> float32 on the CPU, w (N, K / block * block_bytes) uint8 holding each row's GGUF "
-        "blocks as stored (types Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14); x rounded to int8 per 32 "
+        "blocks as stored (types Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14); x rounded to int8 per 32 "
         "below gguf_gemm_rows rows.");
   m.def("gguf_matmul_many", &shardline_qmm::gguf_matmul_many, "x"_a, "ws"_a, "qtypes"_a,
         "x against several GGUF weights, each of its own type, in one op (x rounded once); one output each.");

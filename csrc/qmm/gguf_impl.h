@@ -15,7 +15,7 @@
 // nib64(p, lo, hi): 64 bytes -> their low nibbles, their high ones; nib16x2(p0, p1): two 16-byte runs (nullptr:
 // zeros) -> [low p0, high p0 | low p1, high p1]; raw32x2(p0, p1, xor_hi): two 32-byte runs, each byte ^ 0x80
 // where xor_hi; add_bit16(w, qh32, b0, b1): 16 added to byte l < 32 where bit b0 of qh32[l] is set, to byte
-// 32 + l where bit b1 is; q6(ql64, qh32, w0, w1): Q6_K's two vectors of one half;
+// 32 + l where bit b1 is; add_bits64(w, bits): 16 added to byte i where bit i is set; q6(ql64, qh32, w0, w1): Q6_K's two vectors of one half;
 // join(a8, b8): two __m256 as one F; pairs2(f, a, b): lanes 0-7 f[a], 8-15 f[b]; offs_pairs(f): lane h =
 // f[8 + h / 2]; quads(f, v): lane i = f[4v + i / 4]; SIGNED_Q8: whether Q8_0 is read signed (else as q + 128).
 
@@ -90,7 +90,7 @@ struct GgufImpl {
     return h;
   }
 
-  // Blocks of 32 (Q4_0, Q4_1, Q8_0): blocks [8 sb, 8 sb + 8) of the row, as many as it has (a whole 8
+  // Blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): blocks [8 sb, 8 sb + 8) of the row, as many as it has (a whole 8
   // unrolled, without the checks a row's last few need).
   template <GgufType T>
   static void unpack32(const uint8_t* row, int sb, int nb, Super& s) {
@@ -103,13 +103,26 @@ struct GgufImpl {
 
   template <GgufType T>
   static constexpr int bytes32() {
-    return T == GgufType::Q8_0 ? 34 : (T == GgufType::Q4_1 ? 20 : 18);
+    switch (T) {
+      case GgufType::Q4_1:
+        return 20;
+      case GgufType::Q5_0:
+        return 22;
+      case GgufType::Q5_1:
+        return 24;
+      case GgufType::Q8_0:
+        return 34;
+      default:
+        return 18;
+    }
   }
 
   template <GgufType T, bool FULL>
   static void unpack32_n(const uint8_t* b0, int n, Super& s) {
     constexpr int bytes = bytes32<T>();
-    constexpr int off = T == GgufType::Q4_1 ? 4 : 2;
+    constexpr bool q5 = T == GgufType::Q5_0 || T == GgufType::Q5_1;
+    constexpr int hoff = T == GgufType::Q5_1 ? 4 : 2;  // Q5's fifth bits
+    constexpr int off = T == GgufType::Q4_1 ? 4 : (q5 ? hoff + 4 : 2);
     if constexpr (FULL) n = 8;
     const auto blk = [&](int j) -> const uint8_t* { return FULL || j < n ? b0 + j * bytes : nullptr; };
     const auto dh = [&](int j, int at) -> short { return FULL || j < n ? short(half_at(b0 + j * bytes + at)) : 0; };
@@ -119,7 +132,9 @@ struct GgufImpl {
     __m256 o8;
     if constexpr (T == GgufType::Q4_0)
       o8 = _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
-    else if constexpr (T == GgufType::Q4_1)
+    else if constexpr (T == GgufType::Q5_0)
+      o8 = _mm256_mul_ps(d8, _mm256_set1_ps(-16.0f));
+    else if constexpr (T == GgufType::Q4_1 || T == GgufType::Q5_1)
       o8 = _mm256_cvtph_ps(_mm_setr_epi16(dh(0, 2), dh(1, 2), dh(2, 2), dh(3, 2), dh(4, 2), dh(5, 2), dh(6, 2),
                                           dh(7, 2)));
     else if constexpr (!S::SIGNED_Q8)
@@ -135,6 +150,12 @@ struct GgufImpl {
         s.w[v] = S::raw32x2(p0 + off, p1 ? p1 + off : nullptr, !S::SIGNED_Q8);
       else
         s.w[v] = S::nib16x2(p0 + off, p1 ? p1 + off : nullptr);
+      if constexpr (q5) {
+        uint32_t h0, h1 = 0;
+        std::memcpy(&h0, p0 + hoff, 4);
+        if (p1) std::memcpy(&h1, p1 + hoff, 4);
+        s.w[v] = S::add_bits64(s.w[v], uint64_t(h0) | uint64_t(h1) << 32);
+      }
       s.a[v] = S::pairs2(f, 2 * v, 2 * v + 1);
     }
     s.b = S::offs_pairs(f);
@@ -277,6 +298,10 @@ struct GgufImpl {
         return dequant_t<GgufType::Q4_0>(p, n0, n1, out);
       case GgufType::Q4_1:
         return dequant_t<GgufType::Q4_1>(p, n0, n1, out);
+      case GgufType::Q5_0:
+        return dequant_t<GgufType::Q5_0>(p, n0, n1, out);
+      case GgufType::Q5_1:
+        return dequant_t<GgufType::Q5_1>(p, n0, n1, out);
       case GgufType::Q8_0:
         return dequant_t<GgufType::Q8_0>(p, n0, n1, out);
       case GgufType::Q4_K:
@@ -296,6 +321,10 @@ struct GgufImpl {
         return rows_t<GgufType::Q4_0>(p, x, n0, n1);
       case GgufType::Q4_1:
         return rows_t<GgufType::Q4_1>(p, x, n0, n1);
+      case GgufType::Q5_0:
+        return rows_t<GgufType::Q5_0>(p, x, n0, n1);
+      case GgufType::Q5_1:
+        return rows_t<GgufType::Q5_1>(p, x, n0, n1);
       case GgufType::Q8_0:
         return rows_t<GgufType::Q8_0>(p, x, n0, n1);
       case GgufType::Q4_K:

@@ -3,6 +3,8 @@
 // A weight is N rows, each the row's K / block_elements blocks back to back exactly as in the GGUF file:
 //   Q4_0 (18 B / 32): f16 d, 16 B nibbles (element i low, i + 16 high)            w = d * (q - 8)
 //   Q4_1 (20 B / 32): f16 d, f16 m, 16 B nibbles                                   w = d * q + m
+//   Q5_0 (22 B / 32): f16 d, 4 B fifth bits (element i: bit i), 16 B nibbles          w = d * (q - 16)
+//   Q5_1 (24 B / 32): f16 d, f16 m, 4 B fifth bits, 16 B nibbles                    w = d * q + m
 //   Q8_0 (34 B / 32): f16 d, 32 int8                                               w = d * q
 //   Q4_K (144 B / 256): f16 d, f16 dmin, 12 B of 6-bit scales / mins, 128 B nibbles  w = d sc_j q - dmin m_j
 //   Q5_K (176 B / 256): as Q4_K plus 32 B of fifth bits
@@ -12,7 +14,7 @@
 // nearest, ties to even) so that every weight block meets x in exact integer dot products (VNNI, maddubs);
 // the result is x_rounded @ dequantize(w).T up to float32 summation order. The error against float x is at
 // most dx / 2 per element, sum_k |w_k| dx_k / 2 per output. The int8 sums of each 16 elements of x carry the
-// offsets (-8, -32, + 128 for Q8_0 on u8 x s8 dots) and the minimums (Q4_1, Q4_K, Q5_K).
+// offsets (-8, -16, -32, + 128 for Q8_0 on u8 x s8 dots) and the minimums (Q4_1, Q5_1, Q4_K, Q5_K).
 // From gguf_gemm_rows rows on the products dequantize tiles of w to float32 and call BLAS with x unrounded.
 //
 // Free of MLX, like kernel.h, so that the per-ISA files compile with their own flags.
@@ -24,7 +26,7 @@
 namespace shardline_qmm {
 
 // GGML's type numbers.
-enum class GgufType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum class GgufType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct GgufBlock {
   int elements = 0;  // 0: not a supported type

@@ -28,7 +28,7 @@ std::atomic<int> g_gemm_rows{32};
 
 bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::float16 || t == mx::bfloat16; }
 
-std::string type_list() { return "Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14"; }
+std::string type_list() { return "Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14"; }
 
 GgufBlock block_or_throw(const char* op, int qtype) {
   const GgufBlock b = gguf_block_of(qtype);

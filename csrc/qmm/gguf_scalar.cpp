@@ -16,6 +16,10 @@ GgufBlock gguf_block_of(int qtype) {
       return {32, 18};
     case GgufType::Q4_1:
       return {32, 20};
+    case GgufType::Q5_0:
+      return {32, 22};
+    case GgufType::Q5_1:
+      return {32, 24};
     case GgufType::Q8_0:
       return {32, 34};
     case GgufType::Q4_K:
@@ -78,6 +82,20 @@ int unpack(GgufType t, const uint8_t* b, Unpacked& u) {
       }
       u.A[0] = f16(b);
       if (q41) u.B[0] = f16(b + 2);
+      return 32;
+    }
+    case GgufType::Q5_0:
+    case GgufType::Q5_1: {
+      const bool q51 = t == GgufType::Q5_1;
+      uint32_t qh;
+      std::memcpy(&qh, b + (q51 ? 4 : 2), 4);
+      const uint8_t* qs = b + (q51 ? 8 : 6);
+      for (int i = 0; i < 16; ++i) {
+        u.w8[i] = int8_t(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - (q51 ? 0 : 16));
+        u.w8[i + 16] = int8_t(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - (q51 ? 0 : 16));
+      }
+      u.A[0] = f16(b);
+      if (q51) u.B[0] = f16(b + 2);
       return 32;
     }
     case GgufType::Q8_0:
@@ -178,6 +196,19 @@ void dequant_block(GgufType t, const uint8_t* b, float* out) {
       for (int i = 0; i < 16; ++i) {
         out[i] = d * float(b[4 + i] & 15) + m;
         out[i + 16] = d * float(b[4 + i] >> 4) + m;
+      }
+      return;
+    }
+    case GgufType::Q5_0:
+    case GgufType::Q5_1: {
+      Unpacked u;
+      unpack(t, b, u);
+      const float d = f16(b);
+      if (t == GgufType::Q5_0) {
+        for (int i = 0; i < 32; ++i) out[i] = d * float(u.w8[i]);
+      } else {
+        const float m = f16(b + 2);
+        for (int i = 0; i < 32; ++i) out[i] = d * float(u.w8[i]) + m;
       }
       return;
     }

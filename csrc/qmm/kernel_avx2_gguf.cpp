@@ -80,6 +80,17 @@ struct S {
     const __m256i h = ld(qh);
     return {_mm256_add_epi8(w.lo, bit16(h, b0)), _mm256_add_epi8(w.hi, bit16(h, b1))};
   }
+  // 32 bits -> 16 in byte i where bit i is set.
+  static __m256i bits32(uint32_t b) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(b)),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  }
+  static W add_bits64(W w, uint64_t bits) {
+    return {_mm256_add_epi8(w.lo, bits32(uint32_t(bits))), _mm256_add_epi8(w.hi, bits32(uint32_t(bits >> 32)))};
+  }
   static void q6(const uint8_t* ql, const uint8_t* qh, W& w0, W& w1) {
     const __m256i k30 = _mm256_set1_epi8(0x30);
     const __m256i L0 = ld(ql), L1 = ld(ql + 32), Q = ld(qh);

@@ -60,6 +60,9 @@ struct S {
     const W bit = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << b0)), _mm256_set1_epi8(char(1 << b1)), 1);
     return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(h, bit), w, _mm512_set1_epi8(16));
   }
+  static W add_bits64(W w, uint64_t bits) {
+    return _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(16));
+  }
   static void q6(const uint8_t* ql, const uint8_t* qh, W& w0, W& w1) {
     const W k30 = _mm512_set1_epi8(0x30);
     const W L = _mm512_loadu_si512(ql);

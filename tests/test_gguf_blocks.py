@@ -131,3 +131,27 @@ def test_unknown_block_type_is_refused(imported: Imported, tmp_path: Path) -> No
         gguf_linear.qtype_of("IQ2_XXS")
     with pytest.raises(ValueError, match="does not have"):
         gguf_linear.install(gguf_linear.load_model(blocks, lazy=True)[0], {"model.nowhere": "Q4_K"})
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_row_gives_its_bits_whatever_rows_share_the_product(qtype: T) -> None:
+    """Decode rows are batched as requests come and go: row i of a product must not depend on how many rows
+    there are (a replay, or a request alone, gives the bits it gave in a batch), on every kernel set."""
+    from shardline.compute import quantized
+    from shardline.testing.tiny_gguf import random_blocks
+
+    ops = quantized.native()
+    rng = np.random.default_rng(3)
+    n, k = 37, 512
+    w = mx.array(np.ascontiguousarray(random_blocks(rng, qtype, (n, k))).reshape(n, -1))
+    x = mx.random.normal((33, k), key=mx.random.key(4))  # past gguf_gemm_rows: the BLAS path too
+    try:
+        for isa in ("auto", "avx2", "scalar"):
+            if not ops.set_isa(isa):
+                continue
+            limit = 31  # below the BLAS path, whose tiles depend on the rows by design
+            full = ops.gguf_matmul(x[:limit], w, int(qtype))
+            for m in (1, 2, 3, 5, 8, 9, 16, 17):
+                assert mx.array_equal(ops.gguf_matmul(x[:m], w, int(qtype)), full[:m]).item(), (isa, m)
+    finally:
+        ops.set_isa("auto")

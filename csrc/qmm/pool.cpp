@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -116,12 +117,27 @@ class Pool {
   const std::function<void(int)>* job_ = nullptr;
 };
 
-Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: workers must not be joined during static destruction
-  return *p;
+std::atomic<int> g_threads{1};
+
+// Never destroyed: workers must not be joined during static destruction. A forked child has none of its
+// parent's workers (and maybe a mutex held by one of them): it leaves the parent's pool alone and starts
+// over with one thread.
+Pool* g_pool = nullptr;
+
+void after_fork_in_child() {
+  g_pool = new Pool();
+  g_threads.store(1);
 }
 
-std::atomic<int> g_threads{1};
+Pool& pool() {
+  static const bool once = [] {
+    g_pool = new Pool();
+    pthread_atfork(nullptr, nullptr, &after_fork_in_child);
+    return true;
+  }();
+  (void)once;
+  return *g_pool;
+}
 std::atomic<size_t> g_min_bytes{32768};
 
 }  // namespace

@@ -7,8 +7,9 @@ native product on the GGUF bytes as stored (`_qmm.gguf_matmul`), and today's imp
 (`models/gguf_quant.to_affine`: exact 4 bits for Q4_K and Q4_1, Q6_K requantized to 8 bits) through
 `compute.quantized.quantized_matmul`: the "before". Reported per product: ms (median over rounds of each
 round's median call, and the range), GB/s (the bytes of the weights read), the time of 8 rows over 1 row,
-and the share of the read bandwidth (node/resources.py `read_bandwidth`) measured in the same process, at
-1 thread (one pinned core) and at the node's thread count (`_qmm.set_threads`, pinned to that many cores).
+and the share of the read bandwidth (node/resources.py `stream_bandwidth`: a plain streaming read by as many
+threads) measured in the same process, at 1 thread (one pinned core) and at the node's thread count
+(`_qmm.set_threads`, pinned to that many cores).
 
 Weights: Q4_1 quantized by gguf-py from random floats; the K-quants (which gguf-py cannot quantize) as
 random blocks with small float16 scales: the speed of a product does not depend on its values.
@@ -129,7 +130,7 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
     """In this process (pinned by the caller): read bandwidth, then per shape and rows, each kernel's
     seconds per product in every round, the kernels alternating within a round."""
     from shardline.compute import quantized
-    from shardline.node.resources import read_bandwidth
+    from shardline.node.resources import stream_bandwidth
 
     threads = int(args["threads"])
     module = quantized.native()
@@ -137,7 +138,8 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
         module.set_threads(threads)
     gguf_native = module is not None and hasattr(module, "gguf_matmul")
     quick = bool(args["quick"])
-    bandwidth = read_bandwidth(2048, 2048, 1) if quick else read_bandwidth()
+    size = (16 << 20) if quick else (512 << 20)
+    bandwidth = stream_bandwidth(threads, size)
     into = Path(args["dir"])
     result: dict[str, Any] = {
         "threads": module.threads() if module is not None and hasattr(module, "threads") else 1,
@@ -148,9 +150,9 @@ def measure(args: dict[str, Any]) -> dict[str, Any]:
     }
     for s in args["shapes"]:
         result["shapes"][str(s["index"])] = _measure_shape(module if gguf_native else None, s, into, args)
-    # Measured again after the products, the best of both (as read_bandwidth keeps its best run): a
+    # Measured again after the products, the best of both (as stream_bandwidth keeps its best run): a
     # neighbour's load during one of them would otherwise inflate every share.
-    again = read_bandwidth(2048, 2048, 1) if quick else read_bandwidth()
+    again = stream_bandwidth(threads, size)
     result["read_bandwidth_runs_gbps"] = [bandwidth, again]
     result["read_bandwidth_gbps"] = max(bandwidth, again)
     return result

@@ -10,6 +10,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -85,6 +86,23 @@ def read_bandwidth(rows: int = 16384, cols: int = 6144, tries: int = 3) -> float
         t = time.perf_counter()
         mx.eval(quantized.quantized_matmul(x, w, scales, biases, group, 4))
         best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return round(best, 2)
+
+
+def stream_bandwidth(threads: int = 1, nbytes: int = 512 << 20, tries: int = 3) -> float:
+    """GB/s of a plain streaming read of `nbytes` (far past the caches) by `threads` threads, each summing
+    its share: what the memory gives a core or a node, the ceiling a decode product's weight reads are held
+    to (benches report their share of it). The best of a few runs."""
+    import numpy as np
+
+    a = np.ones(nbytes // 8, dtype=np.int64)
+    parts = np.array_split(a, max(1, threads))
+    best = 0.0
+    with ThreadPoolExecutor(max(1, threads)) as pool:  # numpy's reductions release the GIL
+        for _ in range(tries):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
     return round(best, 2)
 
 

@@ -213,13 +213,13 @@ struct GgufImpl {
       unpack32<T>(row, sb, nb32, s);
   }
 
-  // Rows [m0, m0 + MB) of x against weight row n. One accumulator per row whatever MB, so that a row's
-  // result does not depend on how many rows share the call: a decode row batched with others must give the
-  // bits it gives alone (replays and concurrent requests rely on it).
+  // Rows [m0, m0 + MB) of x against weight row n. The same accumulators per row whatever MB (S::ROW_ACC),
+  // so that a row's result does not depend on how many rows share the call: a decode row batched with
+  // others must give the bits it gives alone (replays and concurrent requests rely on it).
   template <GgufType T, int MB>
   static void row_block(const GgufProblem& p, const XRows& x, int n, int m0) {
     constexpr bool sgn = T == GgufType::Q8_0 && S::SIGNED_Q8;
-    constexpr int NA = 1;
+    constexpr int NA = S::ROW_ACC;
     const uint8_t* row = p.w + size_t(n) * p.row_bytes;
     const int nb32 = p.K / 32;
     F acc[MB][NA];

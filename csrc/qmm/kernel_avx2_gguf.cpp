@@ -22,6 +22,7 @@ struct S {
     __m256 lo, hi;
   };
   static constexpr bool SIGNED_Q8 = true;
+  static constexpr int ROW_ACC = 1;  // F is already two registers: two chains per row
 
   static F zero_f() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F set1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }

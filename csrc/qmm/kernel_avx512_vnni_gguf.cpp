@@ -18,6 +18,8 @@ struct S {
   using I = __m512i;
   using F = __m512;
   static constexpr bool SIGNED_Q8 = false;  // vpdpbusd takes unsigned weights: Q8_0 as q + 128
+  // Accumulators per row of x (gguf_impl.h row_block): two fma chains; 8 rows' 16 fit the 32 registers.
+  static constexpr int ROW_ACC = 2;
 
   static F zero_f() { return _mm512_setzero_ps(); }
   static F set1(float f) { return _mm512_set1_ps(f); }

@@ -12,6 +12,8 @@
 // S provides: W (64 bytes), I (16 int32), F (16 floats); zero_f(), load_x(const int8_t*), load_f(const float*),
 // set1(f), fma(a, b, c), mul(a, b), add(a, b), hsum(F), h2f(half bits);
 // dot<SIGNED>(W w, W x): the 16 lane dots of w (u8, or s8 where SIGNED) with x (s8), cvt(I) -> F;
+// dot_acc<SIGNED>(I acc, W w, W x): acc plus those dots; k4_pair(lo, hi, P, Q): 16-byte segments
+// [lo0 lo2 hi0 hi2], [lo1 lo3 hi1 hi3]; k4_scales(f, c): lanes 4k..4k+3 = f[c + (0, 2, 1, 3)[k]];
 // nib64(p, lo, hi): 64 bytes -> their low nibbles, their high ones; nib16x2(p0, p1): two 16-byte runs (nullptr:
 // zeros) -> [low p0, high p0 | low p1, high p1]; raw32x2(p0, p1, xor_hi): two 32-byte runs, each byte ^ 0x80
 // where xor_hi; add_bit16(w, qh32, b0, b1): 16 added to byte l < 32 where bit b0 of qh32[l] is set, to byte
@@ -31,11 +33,18 @@ struct XRows {
 
 // Which sub-block of 32 the half `h` of vector v holds: in element order, except for Q4_K and Q5_K, whose
 // 64-byte runs of nibbles hold sub-blocks (4j, 4j + 2) in their low nibbles and (4j + 1, 4j + 3) in their
-// high ones: x is laid out to match, so that a run is split into two vectors by two masks and a shift.
-inline bool k4_order(GgufType t) { return t == GgufType::Q4_K || t == GgufType::Q5_K; }
+// high ones (used by the dequantization, which reads the runs as they are).
+constexpr bool k4_order(GgufType t) { return t == GgufType::Q4_K || t == GgufType::Q5_K; }
 inline int sub_of(bool k4, int v, int h) {
   if (!k4) return 2 * v + h;
   return 4 * (v / 2) + (v % 2) + 2 * h;
+}
+
+// The products read Q4_K / Q5_K's run j as two vectors whose 16-byte segment k both hold sub-block
+// k4_seg(j, k) (P its elements 0-15, Q 16-31): the two dots then add up in int32 before one conversion.
+inline int k4_seg(int j, int k) {
+  static constexpr int order[4] = {0, 2, 1, 3};
+  return 4 * j + order[k];
 }
 
 inline void lay_out(const GgufProblem& p, XRows& x) {
@@ -53,13 +62,21 @@ inline void lay_out(const GgufProblem& p, XRows& x) {
     const int16_t* s = p.x.s16 + size_t(m) * 2 * nb;
     float* dv = x.dxv.data() + size_t(m) * 64 * S;
     float* xs = x.xs16.data() + size_t(m) * 16 * S;
-    for (int j = 0; j < nb; ++j) {  // slot j of the layout holds sub-block `from` of x
-      const int within = j % 8, v = within / 2, h = within % 2;
-      const int from = 8 * (j / 8) + sub_of(k4, v, h);
-      std::memcpy(dst + 32 * j, src + 32 * from, 32);
-      std::fill_n(dv + 8 * j, 8, d[from]);
-      xs[2 * j] = d[j] * float(s[2 * j]);  // offsets stay in element order
-      xs[2 * j + 1] = d[j] * float(s[2 * j + 1]);
+    for (int j = 0; j < 2 * nb; ++j) xs[j] = d[j / 2] * float(s[j]);  // offsets stay in element order
+    if (k4) {  // K a multiple of 256: per super block, x vectors P0 Q0 P1 Q1, steps of P0 then of P1
+      for (int sb = 0; sb < S; ++sb)
+        for (int j = 0; j < 2; ++j)
+          for (int k = 0; k < 4; ++k) {
+            const int from = 8 * sb + k4_seg(j, k);
+            for (int h = 0; h < 2; ++h)
+              std::memcpy(dst + 256 * sb + 64 * (2 * j + h) + 16 * k, src + 32 * from + 16 * h, 16);
+            std::fill_n(dv + 64 * sb + 16 * j + 4 * k, 4, d[from]);
+          }
+      continue;
+    }
+    for (int j = 0; j < nb; ++j) {  // slot j of the layout holds sub-block j
+      std::memcpy(dst + 32 * j, src + 32 * j, 32);
+      std::fill_n(dv + 8 * j, 8, d[j]);
     }
   }
 }
@@ -162,7 +179,7 @@ struct GgufImpl {
   }
 
   // Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) 128 of nibbles.
-  template <GgufType T>
+  template <GgufType T, bool CHAIN>
   static void unpack_k45(const uint8_t* b, Super& s) {
     constexpr bool q5 = T == GgufType::Q5_K;
     // llama.cpp's unpacking of the 12 bytes: words 0-1 the 8 scales, words 2-3 the 8 mins.
@@ -180,6 +197,20 @@ struct GgufImpl {
     const F f = S::join(_mm256_mul_ps(sc8, _mm256_set1_ps(f16(b))), _mm256_mul_ps(m8, _mm256_set1_ps(-f16(b + 2))));
     s.nv = 4;
     const uint8_t* qs = b + (q5 ? 48 : 16);
+    if constexpr (CHAIN) {  // the products' layout (k4_seg): w = P0 Q0 P1 Q1, a[j] the factors of P_j's lanes
+      for (int j = 0; j < 2; ++j) {
+        W lo, hi;
+        S::nib64(qs + 64 * j, lo, hi);
+        if constexpr (q5) {
+          lo = S::add_bit16(lo, b + 16, 4 * j, 4 * j + 2);
+          hi = S::add_bit16(hi, b + 16, 4 * j + 1, 4 * j + 3);
+        }
+        S::k4_pair(lo, hi, s.w[2 * j], s.w[2 * j + 1]);
+        s.a[j] = S::k4_scales(f, 4 * j);
+      }
+      s.b = S::offs_pairs(f);
+      return;
+    }
     for (int j = 0; j < 2; ++j) {
       S::nib64(qs + 64 * j, s.w[2 * j], s.w[2 * j + 1]);
       for (int v = 2 * j; v < 2 * j + 2; ++v) {
@@ -203,10 +234,10 @@ struct GgufImpl {
     for (int h = 0; h < 2; ++h) S::q6(b + 64 * h, b + 128 + 32 * h, s.w[2 * h], s.w[2 * h + 1]);
   }
 
-  template <GgufType T>
+  template <GgufType T, bool CHAIN = false>
   static void unpack(const uint8_t* row, int sb, int nb32, Super& s) {
     if constexpr (T == GgufType::Q4_K || T == GgufType::Q5_K)
-      unpack_k45<T>(row + size_t(sb) * (T == GgufType::Q4_K ? 144 : 176), s);
+      unpack_k45<T, CHAIN>(row + size_t(sb) * (T == GgufType::Q4_K ? 144 : 176), s);
     else if constexpr (T == GgufType::Q6_K)
       unpack_k6(row + size_t(sb) * 210, s);
     else
@@ -227,13 +258,22 @@ struct GgufImpl {
       for (int j = 0; j < NA; ++j) acc[i][j] = S::zero_f();
     Super s;
     for (int sb = 0; sb < x.S; ++sb) {
-      unpack<T>(row, sb, nb32, s);
+      unpack<T, true>(row, sb, nb32, s);
       for (int i = 0; i < MB; ++i) {
         const int8_t* q = x.qm(m0 + i) + 256 * sb;
         const float* d = x.dm(m0 + i) + 64 * sb;
-        for (int v = 0; v < s.nv; ++v) {
-          const F dot = S::cvt(S::template dot<sgn>(s.w[v], S::load_x(q + 64 * v)));
-          acc[i][v % NA] = S::fma(dot, S::mul(s.a[v], S::load_f(d + 16 * v)), acc[i][v % NA]);
+        if constexpr (k4_order(T)) {  // P_j and Q_j share their lanes' factors: one conversion per 128
+          for (int j = 0; j < 2; ++j) {
+            const auto dot = S::template dot_acc<false>(S::template dot<false>(s.w[2 * j], S::load_x(q + 128 * j)),
+                                                        s.w[2 * j + 1], S::load_x(q + 128 * j + 64));
+            F& a = acc[i][j % NA];
+            a = S::fma(S::cvt(dot), S::mul(s.a[j], S::load_f(d + 16 * j)), a);
+          }
+        } else {
+          for (int v = 0; v < s.nv; ++v) {
+            const F dot = S::cvt(S::template dot<sgn>(s.w[v], S::load_x(q + 64 * v)));
+            acc[i][v % NA] = S::fma(dot, S::mul(s.a[v], S::load_f(d + 16 * v)), acc[i][v % NA]);
+          }
         }
         acc[i][NA - 1] = S::fma(s.b, S::load_f(x.sm(m0 + i) + 16 * sb), acc[i][NA - 1]);
       }

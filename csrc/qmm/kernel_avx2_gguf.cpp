@@ -50,7 +50,20 @@ struct S {
   static I dot(W w, W x) {
     return {dot8<SIGNED>(w.lo, x.lo), dot8<SIGNED>(w.hi, x.hi)};
   }
+  template <bool SIGNED>
+  static I dot_acc(I acc, W w, W x) {
+    const I d = dot<SIGNED>(w, x);
+    return {_mm256_add_epi32(acc.lo, d.lo), _mm256_add_epi32(acc.hi, d.hi)};
+  }
   static F cvt(I i) { return {_mm256_cvtepi32_ps(i.lo), _mm256_cvtepi32_ps(i.hi)}; }
+  static void k4_pair(W lo, W hi, W& p, W& q) {
+    p = {_mm256_permute2x128_si256(lo.lo, lo.hi, 0x20), _mm256_permute2x128_si256(hi.lo, hi.hi, 0x20)};
+    q = {_mm256_permute2x128_si256(lo.lo, lo.hi, 0x31), _mm256_permute2x128_si256(hi.lo, hi.hi, 0x31)};
+  }
+  static F k4_scales(F f, int c) {
+    return {_mm256_permutevar8x32_ps(f.lo, _mm256_setr_epi32(c, c, c, c, c + 2, c + 2, c + 2, c + 2)),
+            _mm256_permutevar8x32_ps(f.lo, _mm256_setr_epi32(c + 1, c + 1, c + 1, c + 1, c + 3, c + 3, c + 3, c + 3))};
+  }
 
   static __m256i low4(__m256i w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
   static __m256i halves16(const uint8_t* p) {

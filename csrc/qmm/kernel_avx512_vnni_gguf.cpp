@@ -34,7 +34,20 @@ struct S {
   static I dot(W w, W x) {
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
   }
+  template <bool SIGNED>
+  static I dot_acc(I acc, W w, W x) {
+    return _mm512_dpbusd_epi32(acc, w, x);
+  }
   static F cvt(I i) { return _mm512_cvtepi32_ps(i); }
+  static void k4_pair(W lo, W hi, W& p, W& q) {
+    p = _mm512_shuffle_i64x2(lo, hi, 0x88);
+    q = _mm512_shuffle_i64x2(lo, hi, 0xDD);
+  }
+  static F k4_scales(F f, int c) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(c),
+                                         _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3));
+    return _mm512_permutexvar_ps(idx, f);
+  }
 
   static W low4(W w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
   // 16 bytes -> [their low nibbles, their high nibbles] (not yet masked).

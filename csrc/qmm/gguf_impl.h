@@ -13,7 +13,8 @@
 // set1(f), fma(a, b, c), mul(a, b), add(a, b), hsum(F), h2f(half bits);
 // dot<SIGNED>(W w, W x): the 16 lane dots of w (u8, or s8 where SIGNED) with x (s8), cvt(I) -> F;
 // dot_acc<SIGNED>(I acc, W w, W x): acc plus those dots; k4_pair(lo, hi, P, Q): 16-byte segments
-// [lo0 lo2 hi0 hi2], [lo1 lo3 hi1 hi3]; k4_scales(f, c): lanes 4k..4k+3 = f[c + (0, 2, 1, 3)[k]];
+// [lo0 lo2 hi0 hi2], [lo1 lo3 hi1 hi3]; segs(f, c0..c3): lanes 4k..4k+3 = f[ck]; seg4(p[4], at, flip): 16
+// bytes from each p[k] + at (nullptr: zeros), ^ 0x80 where flip; nib_split(t, lo, hi): t's low, high nibbles;
 // nib64(p, lo, hi): 64 bytes -> their low nibbles, their high ones; nib16x2(p0, p1): two 16-byte runs (nullptr:
 // zeros) -> [low p0, high p0 | low p1, high p1]; raw32x2(p0, p1, xor_hi): two 32-byte runs, each byte ^ 0x80
 // where xor_hi; add_bit16(w, qh32, b0, b1): 16 added to byte l < 32 where bit b0 of qh32[l] is set, to byte
@@ -40,11 +41,13 @@ inline int sub_of(bool k4, int v, int h) {
   return 4 * (v / 2) + (v % 2) + 2 * h;
 }
 
-// The products read Q4_K / Q5_K's run j as two vectors whose 16-byte segment k both hold sub-block
-// k4_seg(j, k) (P its elements 0-15, Q 16-31): the two dots then add up in int32 before one conversion.
-inline int k4_seg(int j, int k) {
+// The products read every format but Q6_K (whose scales are per 16) as vectors P_j, Q_j (j = 0, 1 per 256)
+// whose 16-byte segment k both hold sub-block seg_of(j, k) (P its elements 0-15, Q 16-31): the two dots
+// then add up in int32 before one conversion. Q4_K / Q5_K's run j of nibbles gives sub-blocks (0, 2, 1, 3).
+constexpr bool chained(GgufType t) { return t != GgufType::Q6_K; }
+inline int seg_of(bool k4, int j, int k) {
   static constexpr int order[4] = {0, 2, 1, 3};
-  return 4 * j + order[k];
+  return 4 * j + (k4 ? order[k] : k);
 }
 
 inline void lay_out(const GgufProblem& p, XRows& x) {
@@ -63,11 +66,12 @@ inline void lay_out(const GgufProblem& p, XRows& x) {
     float* dv = x.dxv.data() + size_t(m) * 64 * S;
     float* xs = x.xs16.data() + size_t(m) * 16 * S;
     for (int j = 0; j < 2 * nb; ++j) xs[j] = d[j / 2] * float(s[j]);  // offsets stay in element order
-    if (k4) {  // K a multiple of 256: per super block, x vectors P0 Q0 P1 Q1, steps of P0 then of P1
+    if (chained(p.type)) {  // per super block, x vectors P0 Q0 P1 Q1, steps of P0 then of P1; zeros past K
       for (int sb = 0; sb < S; ++sb)
         for (int j = 0; j < 2; ++j)
           for (int k = 0; k < 4; ++k) {
-            const int from = 8 * sb + k4_seg(j, k);
+            const int from = 8 * sb + seg_of(k4, j, k);
+            if (from >= nb) continue;
             for (int h = 0; h < 2; ++h)
               std::memcpy(dst + 256 * sb + 64 * (2 * j + h) + 16 * k, src + 32 * from + 16 * h, 16);
             std::fill_n(dv + 64 * sb + 16 * j + 4 * k, 4, d[from]);
@@ -109,13 +113,13 @@ struct GgufImpl {
 
   // Blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): blocks [8 sb, 8 sb + 8) of the row, as many as it has (a whole 8
   // unrolled, without the checks a row's last few need).
-  template <GgufType T>
+  template <GgufType T, bool CHAIN>
   static void unpack32(const uint8_t* row, int sb, int nb, Super& s) {
     const int n = std::min(8, nb - 8 * sb);
     if (n == 8)
-      unpack32_n<T, true>(row + size_t(8 * sb) * bytes32<T>(), 8, s);
+      unpack32_n<T, true, CHAIN>(row + size_t(8 * sb) * bytes32<T>(), 8, s);
     else
-      unpack32_n<T, false>(row + size_t(8 * sb) * bytes32<T>(), n, s);
+      unpack32_n<T, false, CHAIN>(row + size_t(8 * sb) * bytes32<T>(), n, s);
   }
 
   template <GgufType T>
@@ -134,7 +138,7 @@ struct GgufImpl {
     }
   }
 
-  template <GgufType T, bool FULL>
+  template <GgufType T, bool FULL, bool CHAIN>
   static void unpack32_n(const uint8_t* b0, int n, Super& s) {
     constexpr int bytes = bytes32<T>();
     constexpr bool q5 = T == GgufType::Q5_0 || T == GgufType::Q5_1;
@@ -159,6 +163,33 @@ struct GgufImpl {
     else
       o8 = _mm256_setzero_ps();
     const F f = S::join(d8, o8);
+    if constexpr (CHAIN) {  // the products' layout (seg_of): blocks absent past the row's end read as zeros, d 0
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* p[4];
+        for (int k = 0; k < 4; ++k) p[k] = blk(4 * j + k) ? blk(4 * j + k) + off : nullptr;
+        if constexpr (T == GgufType::Q8_0) {
+          s.w[2 * j] = S::seg4(p, 0, !S::SIGNED_Q8);
+          s.w[2 * j + 1] = S::seg4(p, 16, !S::SIGNED_Q8);
+        } else {
+          S::nib_split(S::seg4(p, 0, false), s.w[2 * j], s.w[2 * j + 1]);
+        }
+        if constexpr (q5) {
+          uint64_t lo = 0, hi = 0;
+          for (int k = 0; k < 4; ++k) {
+            uint32_t h = 0;
+            if (const uint8_t* b = blk(4 * j + k)) std::memcpy(&h, b + hoff, 4);
+            lo |= uint64_t(h & 0xFFFF) << (16 * k);
+            hi |= uint64_t(h >> 16) << (16 * k);
+          }
+          s.w[2 * j] = S::add_bits64(s.w[2 * j], lo);
+          s.w[2 * j + 1] = S::add_bits64(s.w[2 * j + 1], hi);
+        }
+        s.a[j] = S::segs(f, 4 * j, 4 * j + 1, 4 * j + 2, 4 * j + 3);
+      }
+      s.nv = 4;
+      s.b = S::offs_pairs(f);
+      return;
+    }
     s.nv = FULL ? 4 : (n + 1) / 2;
     for (int v = 0; v < (FULL ? 4 : s.nv); ++v) {
       const uint8_t* p0 = blk(2 * v);
@@ -197,7 +228,7 @@ struct GgufImpl {
     const F f = S::join(_mm256_mul_ps(sc8, _mm256_set1_ps(f16(b))), _mm256_mul_ps(m8, _mm256_set1_ps(-f16(b + 2))));
     s.nv = 4;
     const uint8_t* qs = b + (q5 ? 48 : 16);
-    if constexpr (CHAIN) {  // the products' layout (k4_seg): w = P0 Q0 P1 Q1, a[j] the factors of P_j's lanes
+    if constexpr (CHAIN) {  // the products' layout (seg_of): w = P0 Q0 P1 Q1, a[j] the factors of P_j's lanes
       for (int j = 0; j < 2; ++j) {
         W lo, hi;
         S::nib64(qs + 64 * j, lo, hi);
@@ -206,7 +237,7 @@ struct GgufImpl {
           hi = S::add_bit16(hi, b + 16, 4 * j + 1, 4 * j + 3);
         }
         S::k4_pair(lo, hi, s.w[2 * j], s.w[2 * j + 1]);
-        s.a[j] = S::k4_scales(f, 4 * j);
+        s.a[j] = S::segs(f, 4 * j, 4 * j + 2, 4 * j + 1, 4 * j + 3);
       }
       s.b = S::offs_pairs(f);
       return;
@@ -241,7 +272,7 @@ struct GgufImpl {
     else if constexpr (T == GgufType::Q6_K)
       unpack_k6(row + size_t(sb) * 210, s);
     else
-      unpack32<T>(row, sb, nb32, s);
+      unpack32<T, CHAIN>(row, sb, nb32, s);
   }
 
   // Rows [m0, m0 + MB) of x against weight row n. The same accumulators per row whatever MB (S::ROW_ACC),
@@ -262,10 +293,10 @@ struct GgufImpl {
       for (int i = 0; i < MB; ++i) {
         const int8_t* q = x.qm(m0 + i) + 256 * sb;
         const float* d = x.dm(m0 + i) + 64 * sb;
-        if constexpr (k4_order(T)) {  // P_j and Q_j share their lanes' factors: one conversion per 128
+        if constexpr (chained(T)) {  // P_j and Q_j share their lanes' factors: one conversion per 128
           for (int j = 0; j < 2; ++j) {
-            const auto dot = S::template dot_acc<false>(S::template dot<false>(s.w[2 * j], S::load_x(q + 128 * j)),
-                                                        s.w[2 * j + 1], S::load_x(q + 128 * j + 64));
+            const auto dot = S::template dot_acc<sgn>(S::template dot<sgn>(s.w[2 * j], S::load_x(q + 128 * j)),
+                                                      s.w[2 * j + 1], S::load_x(q + 128 * j + 64));
             F& a = acc[i][j % NA];
             a = S::fma(S::cvt(dot), S::mul(s.a[j], S::load_f(d + 16 * j)), a);
           }

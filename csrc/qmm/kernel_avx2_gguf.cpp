@@ -60,11 +60,26 @@ struct S {
     p = {_mm256_permute2x128_si256(lo.lo, lo.hi, 0x20), _mm256_permute2x128_si256(hi.lo, hi.hi, 0x20)};
     q = {_mm256_permute2x128_si256(lo.lo, lo.hi, 0x31), _mm256_permute2x128_si256(hi.lo, hi.hi, 0x31)};
   }
-  static F k4_scales(F f, int c) {
-    return {_mm256_permutevar8x32_ps(f.lo, _mm256_setr_epi32(c, c, c, c, c + 2, c + 2, c + 2, c + 2)),
-            _mm256_permutevar8x32_ps(f.lo, _mm256_setr_epi32(c + 1, c + 1, c + 1, c + 1, c + 3, c + 3, c + 3, c + 3))};
+  static F segs(F f, int c0, int c1, int c2, int c3) {
+    return {_mm256_permutevar8x32_ps(f.lo, _mm256_setr_epi32(c0, c0, c0, c0, c1, c1, c1, c1)),
+            _mm256_permutevar8x32_ps(f.lo, _mm256_setr_epi32(c2, c2, c2, c2, c3, c3, c3, c3))};
   }
-
+  static __m128i ld16(const uint8_t* p, int at) {
+    return p ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)) : _mm_setzero_si128();
+  }
+  static W seg4(const uint8_t* const* p, int at, bool flip) {
+    W w{_mm256_inserti128_si256(_mm256_castsi128_si256(ld16(p[0], at)), ld16(p[1], at), 1),
+        _mm256_inserti128_si256(_mm256_castsi128_si256(ld16(p[2], at)), ld16(p[3], at), 1)};
+    if (flip) {
+      w.lo = _mm256_xor_si256(w.lo, _mm256_set1_epi8(char(0x80)));
+      w.hi = _mm256_xor_si256(w.hi, _mm256_set1_epi8(char(0x80)));
+    }
+    return w;
+  }
+  static void nib_split(W t, W& lo, W& hi) {
+    lo = {low4(t.lo), low4(t.hi)};
+    hi = {low4(_mm256_srli_epi16(t.lo, 4)), low4(_mm256_srli_epi16(t.hi, 4))};
+  }
   static __m256i low4(__m256i w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
   static __m256i halves16(const uint8_t* p) {
     const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -43,12 +43,24 @@ struct S {
     p = _mm512_shuffle_i64x2(lo, hi, 0x88);
     q = _mm512_shuffle_i64x2(lo, hi, 0xDD);
   }
-  static F k4_scales(F f, int c) {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(c),
-                                         _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3));
+  static F segs(F f, int c0, int c1, int c2, int c3) {
+    const __m512i idx = _mm512_setr_epi32(c0, c0, c0, c0, c1, c1, c1, c1, c2, c2, c2, c2, c3, c3, c3, c3);
     return _mm512_permutexvar_ps(idx, f);
   }
-
+  static __m128i ld16(const uint8_t* p, int at) {
+    return p ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)) : _mm_setzero_si128();
+  }
+  static W seg4(const uint8_t* const* p, int at, bool flip) {
+    W w = _mm512_castsi128_si512(ld16(p[0], at));
+    w = _mm512_inserti32x4(w, ld16(p[1], at), 1);
+    w = _mm512_inserti32x4(w, ld16(p[2], at), 2);
+    w = _mm512_inserti32x4(w, ld16(p[3], at), 3);
+    return flip ? _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))) : w;
+  }
+  static void nib_split(W t, W& lo, W& hi) {
+    lo = low4(t);
+    hi = low4(_mm512_srli_epi16(t, 4));
+  }
   static W low4(W w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
   // 16 bytes -> [their low nibbles, their high nibbles] (not yet masked).
   static __m256i halves16(const uint8_t* p) {

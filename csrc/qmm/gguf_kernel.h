@@ -15,7 +15,8 @@
 // the result is x_rounded @ dequantize(w).T up to float32 summation order. The error against float x is at
 // most dx / 2 per element, sum_k |w_k| dx_k / 2 per output. The int8 sums of each 16 elements of x carry the
 // offsets (-8, -16, -32, + 128 for Q8_0 on u8 x s8 dots) and the minimums (Q4_1, Q5_1, Q4_K, Q5_K).
-// From gguf_gemm_rows rows on the products dequantize tiles of w to float32 and call BLAS with x unrounded.
+// From gguf_gemm_rows rows on the products dequantize tiles of w to float32 and call BLAS with the rounded x
+// in float32: the same function of x on both paths, up to the order of float sums.
 //
 // Free of MLX, like kernel.h, so that the per-ISA files compile with their own flags.
 #pragma once

@@ -76,8 +76,16 @@ GgufX round_x(const GgufKernels& k, const float* x, int M, int K) {
   return GgufX{q.data(), d.data(), s16.data()};
 }
 
-// y (M x N, row stride N) = x @ dequantize(w).T: on rounded x through the row kernels, or on float x
-// through BLAS over dequantized tiles (gemm).
+// x as rounded, back in float32: q * step per block of 32 (thread-local, valid until the next call).
+const float* rounded_floats(const GgufX& xq, int M, int K) {
+  thread_local std::vector<float> xr;
+  xr.resize(size_t(M) * K);
+  for (size_t i = 0, n = xr.size(); i < n; ++i) xr[i] = float(xq.q[i]) * xq.d[i / 32];
+  return xr.data();
+}
+
+// y (M x N, row stride N) = x @ dequantize(w).T: on rounded x through the row kernels, or through BLAS over
+// dequantized tiles (gemm; x there is the rounded x in float32).
 void run(const GgufKernels& k, const float* xf, const GgufX& xq, bool gemm, int M, int K, const mx::array& w,
          int qtype, float* y) {
   const int N = w.shape(0);
@@ -132,8 +140,11 @@ void GgufMatmulCPU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
     const GgufKernels& k = kernels();
     const int from = g_gemm_rows.load(std::memory_order_relaxed);
     const bool gemm = from > 0 && M >= from && has_blas();
-    // x is rounded once for every weight: a fused projection pays for it once.
-    const GgufX xq = M && !gemm ? round_x(k, xf, M, K) : GgufX{};
+    // x is rounded once for every weight: a fused projection pays for it once. BLAS multiplies the rounded
+    // values too, so that a row's product is the same function of x on either path (up to the order of
+    // float sums): a prompt's rows then do not depend on how it was cut into chunks, or on a cached prefix.
+    const GgufX xq = M ? round_x(k, xf, M, K) : GgufX{};
+    if (gemm) xf = rounded_floats(xq, M, K);
     if (swiglu) {
       thread_local std::vector<float> up;
       up.resize(outs[0].size());

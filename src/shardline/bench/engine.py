@@ -367,7 +367,7 @@ def run(model: str | None, json_path: Path | None, quick: bool = False, pairs: i
     result["decode_token_ops_ms"] = token_accounts(ops, s1_token_ms, result["raw"]["s1_stage_ms"][0])
     result["bandwidth_setup"] = (
         "bytes read per decode token (the stage's weights held, from its heartbeat, and the KV of the "
-        "stream's mean context) x its tokens/s over node/resources read_bandwidth measured in this run in "
+        "stream's mean context) x its tokens/s over node/resources stream_bandwidth measured in this run in "
         "a process pinned as the stage: one core, one thread (decode_bandwidth_share, one pinned stage); "
         "every core, as many threads (decode_bandwidth_share_node, one unpinned stage)"
     )

@@ -1,9 +1,10 @@
 """`shardline bench engine`'s node figures: the read bandwidth of the cores a stage runs on, measured in the
 same run, and what share of it a decode token uses.
 
-The bandwidth is node/resources.py `read_bandwidth` (what placement measures: a decode product streaming a
-4-bit matrix far past the caches), in a fresh process pinned as the stage is (one core with one thread; the
-node's cores with as many threads), in the runners' environment."""
+The bandwidth is node/resources.py `stream_bandwidth` (a plain streaming read of 512 MB, far past the caches,
+by as many threads as cores: what the memory gives, the ceiling of a decode token's weight reads), in a fresh
+process pinned as the stage is (one core with one thread; the node's cores with as many threads), in the
+runners' environment."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from shardline.compute import blas
 from shardline.engine.engine import Engine
 
 BANDWIDTH_TIMEOUT_S = 300
-_READ = "from shardline.node.resources import read_bandwidth; print(read_bandwidth())"
+_READ = (
+    "import sys; from shardline.node import resources; print(resources.stream_bandwidth(int(sys.argv[1])))"
+)
 
 
 def node_cores() -> list[int]:
@@ -32,7 +35,7 @@ def read_bandwidth_gbps(cores: int) -> float:
             os.sched_setaffinity(0, pinned)
 
     done = subprocess.run(
-        [sys.executable, "-c", _READ],
+        [sys.executable, "-c", _READ, str(cores)],
         env=blas.runner_env(cores),
         capture_output=True,
         text=True,

@@ -105,6 +105,12 @@ struct GgufImpl {
     int nv = 4;
   };
 
+  static uint32_t load32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+
   static uint16_t half_at(const uint8_t* p) {
     uint16_t h;
     std::memcpy(&h, p, 2);
@@ -214,8 +220,7 @@ struct GgufImpl {
   static void unpack_k45(const uint8_t* b, Super& s) {
     constexpr bool q5 = T == GgufType::Q5_K;
     // llama.cpp's unpacking of the 12 bytes: words 0-1 the 8 scales, words 2-3 the 8 mins.
-    uint32_t u[4];
-    std::memcpy(u, b + 4, 12);
+    uint32_t u[4] = {load32(b + 4), load32(b + 8), load32(b + 12), 0};  // registers, no copy through the stack
     constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
     u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
     const uint32_t m0 = u[1] & k1;

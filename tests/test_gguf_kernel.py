@@ -104,7 +104,7 @@ def test_products_against_gguf_dequantize(qtype: T, isa: str) -> None:
                 xs = np.array(xm.astype(mx.float32))
                 y = _qmm.gguf_matmul(xm, mx.array(w), int(qtype))
                 assert y.dtype == mx.float32 and y.shape == (m, n)
-                # BLAS (from gguf_gemm_rows rows) multiplies the rounded x too: one function of x on both paths
+                # BLAS (from gguf_gemm_rows rows) multiplies the rounded x too: one function of x either way
                 _check(np.array(y), xs, wf, True, f"{qtype.name} {isa} n={n} k={k} m={m} {dtype}")
 
 

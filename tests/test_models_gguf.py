@@ -632,9 +632,7 @@ def test_cli_pull_dtype(fake_wheel: str, capsys: pytest.CaptureFixture[str]) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_default_model_imports_as_its_gguf_bytes(
-    default_model: Path, smollm_gguf: Path
-) -> None:
+def test_default_model_imports_as_its_gguf_bytes(default_model: Path, smollm_gguf: Path) -> None:
     info = json.loads((default_model / gguf_import.IMPORT_INFO_FILE).read_text())
     assert info["weights"] == "quantized"
     stored = sum(p.stat().st_size for p in default_model.glob("model*.safetensors"))

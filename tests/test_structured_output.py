@@ -407,9 +407,7 @@ def test_n_choices_equal_separate_requests_with_the_same_seeds(oai):
 def test_logit_bias_forces_and_bans_tokens(oai, tokenizer):
     free = _chat(oai, "Name the capital of France.", temperature=0, max_tokens=8)
     first = tokenizer.encode(free.choices[0].message.content, add_special_tokens=False)[0]
-    banned = _chat(
-        oai, "Name the capital of France.", temperature=0, max_tokens=8, logit_bias={first: -100}
-    )
+    banned = _chat(oai, "Name the capital of France.", temperature=0, max_tokens=8, logit_bias={first: -100})
     assert tokenizer.encode(banned.choices[0].message.content, add_special_tokens=False)[0] != first
     forced_id = tokenizer.encode(" banana", add_special_tokens=False)[0]
     forced = _chat(oai, "Hi", temperature=0, max_tokens=4, logit_bias={forced_id: 100})

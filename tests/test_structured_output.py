@@ -331,9 +331,10 @@ def test_schema_constrained_chat_validates_whole_and_streamed(oai, name):
 
 @pytest.mark.timeout(300)
 def test_json_object_and_completions_with_a_schema(oai):
-    obj = _chat(
-        oai, "Give me a JSON object about a cat.", temperature=0, response_format={"type": "json_object"}
-    )
+    # A question the default model answers briefly under any rounding of its activations ("... about a
+    # cat." lists a litter until max_tokens under the GGUF kernel's int8 rounding).
+    question = "Give me a JSON object with a cat's name and age."
+    obj = _chat(oai, question, temperature=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
     prompt = "A person, as JSON: "
     fmt = _fmt("person", PERSON)

@@ -144,12 +144,12 @@ def test_a_row_gives_its_bits_whatever_rows_share_the_product(qtype: T) -> None:
     rng = np.random.default_rng(3)
     n, k = 37, 512
     w = mx.array(np.ascontiguousarray(random_blocks(rng, qtype, (n, k))).reshape(n, -1))
-    x = mx.random.normal((33, k), key=mx.random.key(4))  # past gguf_gemm_rows: the BLAS path too
+    x = mx.random.normal((33, k), key=mx.random.key(4))
     try:
         for isa in ("auto", "avx2", "scalar"):
             if not ops.set_isa(isa):
                 continue
-            limit = 31  # below the BLAS path, whose tiles depend on the rows by design
+            limit = 31  # below gguf_gemm_rows: the BLAS path's float sums are ordered by its tiles
             full = ops.gguf_matmul(x[:limit], w, int(qtype))
             for m in (1, 2, 3, 5, 8, 9, 16, 17):
                 assert mx.array_equal(ops.gguf_matmul(x[:m], w, int(qtype)), full[:m]).item(), (isa, m)

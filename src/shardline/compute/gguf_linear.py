@@ -76,7 +76,7 @@ class GGUFLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if not kernel_runs_here():
-            return _twin(self)(x)
+            return twin_of(self)(x)
         y = _ops().gguf_matmul(x, self["weight"], self.qtype)
         return y + self["bias"] if "bias" in self else y
 
@@ -92,30 +92,16 @@ class GGUFEmbedding(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if not kernel_runs_here():
-            return _twin(self)(x)
+            return twin_of(self)(x)
         return _ops().gguf_rows(self["weight"], x.astype(mx.int32), self.qtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
         if not kernel_runs_here():
-            return _twin(self).as_linear(x)
+            return twin_of(self).as_linear(x)
         return _ops().gguf_matmul(x, self["weight"], self.qtype)
 
-    def as_linear_rows(self, x: mx.array, start: int, end: int) -> mx.array:
-        """Logits [start, end) of the tied head: x times those rows."""
-        if not kernel_runs_here():
-            twin = _twin(self)
-            return quantized.quantized_matmul(
-                x,
-                twin["weight"][start:end],
-                twin["scales"][start:end],
-                twin["biases"][start:end],
-                32,
-                twin.bits,
-            )
-        return _ops().gguf_matmul(x, self["weight"][start:end], self.qtype)
 
-
-def _twin(m: nn.Module) -> Any:
+def twin_of(m: nn.Module) -> Any:
     """m's affine twin, made at its first call and kept: for a layer load_shard did not convert (an
     embedding or head outside the stage's blocks) where the kernel does not run."""
     twin = m.__dict__.get("_affine_twin")

@@ -31,8 +31,10 @@ def rows(embed: Any, h: mx.array, start: int, end: int) -> mx.array:
     """Logits [start, end) of a tied head: h (rows, D) times those rows of the embedding."""
     if type(embed) is nn.Embedding:
         return h.astype(embed.weight.dtype) @ embed.weight[start:end].T
-    if type(embed) is gguf_linear.GGUFEmbedding:  # whole rows of blocks
-        return gguf_linear.GGUFEmbedding.as_linear_rows(embed, h, start, end)
+    if type(embed) is gguf_linear.GGUFEmbedding:  # whole rows of blocks, or their affine twin's
+        if gguf_linear.kernel_runs_here():
+            return quantized.native().gguf_matmul(h, embed["weight"][start:end], embed.qtype)
+        embed = gguf_linear.twin_of(embed)
     e = embed
     return quantized.quantized_matmul(
         h, e["weight"][start:end], e["scales"][start:end], e["biases"][start:end], e.group_size, e.bits
